@@ -1,0 +1,149 @@
+"""`TokenNormTrainer`: a drop-in `transformers.Trainer` whose gradient is the exact token mean of the whole window.
+
+Per optimizer step the Trainer already prefetches the accumulation window (`get_batch_samples`), clips once after it
+and steps once. This class changes only what is normalized by what, at the Trainer's documented hooks:
+
+- `get_batch_samples`: counts the window's targets after the causal shift and sums them over data-parallel ranks
+  (`window_label_tokens`); that count is what `training_step` then passes to `compute_loss`;
+- `compute_loss`: sums next-token cross-entropy from the model's logits (its own loss is never used) and divides by
+  `window_label_tokens`, times the data-parallel size to cancel DDP/FSDP/ZeRO gradient averaging. The loss is then
+  already scaled for accumulation (`loss_is_scaled_for_ga = True`), so the Trainer does not divide again, and
+  DeepSpeed's GAS scaling is off (the Trainer passes `scale_wrt_gas=False`);
+- `create_optimizer`: a window with no target makes no update;
+- `log`: adds `window_label_tokens` to each logged step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.utils import logging
+
+from finetune.loss import count_label_tokens, token_loss_sum
+
+logger = logging.get_logger(__name__)
+
+
+def logits_of(outputs: Any) -> torch.Tensor | None:
+    """The [B, T, V] logits in whatever a model returned: a tensor, a ModelOutput/dict, or a tuple."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    if getattr(outputs, "logits", None) is not None:
+        return outputs.logits
+    if isinstance(outputs, (tuple, list)):
+        return next((o for o in outputs if isinstance(o, torch.Tensor) and o.dim() == 3), None)
+    return None
+
+
+class TokenNormTrainer(Trainer):
+    """`transformers.Trainer` with exact token-mean gradients under accumulation and data parallelism."""
+
+    # compute_loss divides by the whole window's label tokens: the Trainer must not divide by accumulation again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.get_cp_size() > 1 or self.get_sp_size() > 1:
+            raise NotImplementedError(
+                "TokenNormTrainer computes the loss from full-sequence logits; context/sequence parallelism shards "
+                "the sequence. Use data parallelism (DDP, FSDP, ZeRO) or tensor parallelism."
+            )
+        forward = inspect.signature(self.accelerator.unwrap_model(self.model).forward).parameters
+        labels_param = forward.get("labels")
+        # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
+        self._forward_needs_labels = labels_param is not None and labels_param.default is inspect.Parameter.empty
+        self._falls_back = False  # the model returned no [B, T, V] logits: behave exactly as Trainer
+        self._trainer_num_items = None  # Trainer's own count, used only when falling back
+        self._window_label_tokens: int | None = None
+        self._label_tokens_since_log = 0
+        self._windows_since_log = 0
+
+    # ---- window: count targets over all data-parallel ranks ----
+
+    def _data_parallel_size(self) -> int:
+        # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
+        return self.accelerator.num_processes // self.get_tp_size()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, self._trainer_num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._falls_back or not batch_samples or "labels" not in batch_samples[0]:
+            self._window_label_tokens = None
+            return batch_samples, self._trainer_num_items
+        rank_label_tokens = sum(count_label_tokens(batch["labels"]) for batch in batch_samples)
+        window_label_tokens = torch.as_tensor(rank_label_tokens, dtype=torch.int64, device=device)
+        if self.accelerator.num_processes > 1:
+            window_label_tokens = self.accelerator.reduce(window_label_tokens, reduction="sum")
+            window_label_tokens = window_label_tokens // self.get_tp_size()
+        self._window_label_tokens = int(window_label_tokens)
+        self._label_tokens_since_log += self._window_label_tokens
+        self._windows_since_log += 1
+        if self._window_label_tokens == 0:
+            logger.warning(
+                f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on any "
+                "rank; the weights are not updated for this step"
+            )
+        return batch_samples, window_label_tokens
+
+    # ---- loss: sum from the logits, divided by the window's count ----
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._falls_back or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"]
+        forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
+        outputs = model(**forward_inputs)
+        logits = logits_of(outputs)
+        if logits is None or logits.dim() != 3 or logits.shape[:2] != labels.shape:
+            return self._fall_back(model, inputs, return_outputs, logits)
+        loss_sum, label_tokens = token_loss_sum(logits, labels)
+        if num_items_in_batch is None:  # outside the training loop (evaluation): this batch's own token mean
+            loss = loss_sum / label_tokens.clamp(min=1)
+        else:
+            # clamp: an empty window has loss_sum 0 and makes zero gradients, never 0/0.
+            window_label_tokens = torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            loss = loss_sum / window_label_tokens * self._data_parallel_size()
+        return (loss, outputs) if return_outputs else loss
+
+    def _fall_back(self, model, inputs, return_outputs, logits):
+        shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
+        logger.warning(
+            f"TokenNormTrainer: the model returned {shape} where [batch, tokens, vocab] logits matching the labels "
+            "were expected; falling back to transformers.Trainer's loss (exact only if the model sums its loss over "
+            "num_items_in_batch)."
+        )
+        self._falls_back = True
+        self.loss_is_scaled_for_ga = None  # let Trainer decide as it would for this model
+        return super().compute_loss(model, inputs, return_outputs, self._trainer_num_items)
+
+    # ---- an empty window makes no update ----
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if not getattr(optimizer, "_skips_empty_windows", False):
+            step = optimizer.step
+
+            def step_unless_window_empty(*args, **kwargs):
+                # Gradients of an empty window are zeros, but AdamW/momentum would still move the weights.
+                if self._window_label_tokens == 0:
+                    return None
+                return step(*args, **kwargs)
+
+            optimizer.step = step_unless_window_empty
+            optimizer._skips_empty_windows = True
+        return optimizer
+
+    # ---- logging ----
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._windows_since_log:
+            # One window per logged step at log.every_steps=1; otherwise the mean over the logged windows.
+            logs["window_label_tokens"] = self._label_tokens_since_log / self._windows_since_log
+            self._label_tokens_since_log = 0
+            self._windows_since_log = 0
+        super().log(logs, start_time)
