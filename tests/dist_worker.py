@@ -1,0 +1,31 @@
+"""Run under torchrun: one TokenNormTrainer step on 2 CPU ranks (gloo); rank 0 saves what the test compares."""
+
+import sys
+
+import torch
+
+from finetune import TokenNormTrainer
+from tests.toy import RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
+
+
+def main(out: str, micro: int, accumulation: int, rows: int, seed: int) -> None:
+    snapshots = SnapshotCallback()
+    collator = RecordingCollator()
+    trainer = TokenNormTrainer(
+        model=tiny_llama(), args=sgd_args(out + ".trainer", micro, accumulation), train_dataset=ragged_rows(rows, seed),
+        data_collator=collator, callbacks=[snapshots],
+    )
+    trainer.train()
+    rank = trainer.args.process_index
+    rank_tokens = sum(sum(t != -100 for t in r["labels"][1:]) for b in collator.batches for r in b)
+    gathered = [None] * trainer.args.world_size
+    torch.distributed.all_gather_object(gathered, rank_tokens)
+    if rank == 0:
+        torch.save(
+            {"snapshots": snapshots.snapshots, "log_history": trainer.state.log_history, "rank_label_tokens": gathered},
+            out,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))

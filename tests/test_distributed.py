@@ -1,0 +1,55 @@
+"""Two CPU ranks (gloo) with uneven token counts per rank apply the same update as one process on the full batch."""
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import TokenNormTrainer
+from tests.reference import reference_gradient, relative_error
+from tests.toy import ragged_rows, tiny_llama
+from tests.test_trainer import train_recording
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script_args: list[str], nproc: int = 2) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           *script_args]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def test_two_ranks_equal_one_process_full_batch(tmp_path):
+    micro, accumulation, seed = 2, 3, 21
+    rows = micro * accumulation * 2  # one window: every row, split across the two ranks
+    out = str(tmp_path / "two_ranks.pt")
+    torchrun(["tests/dist_worker.py", out, str(micro), str(accumulation), str(rows), str(seed)])
+    two = torch.load(out, weights_only=True)
+    tokens = two["rank_label_tokens"]
+    assert tokens[0] != tokens[1], "the test needs uneven token counts per rank"
+
+    initial = tiny_llama()
+    data = ragged_rows(rows, seed)
+    _, _, one = train_recording(TokenNormTrainer, copy.deepcopy(initial), data, tmp_path / "one", micro, accumulation * 2)
+    grads, ref_loss = reference_gradient(initial, data)
+    applied_two = {n: two["snapshots"][0][n] - two["snapshots"][1][n] for n in grads}
+    applied_one = {n: one[0][n] - one[1][n] for n in grads}
+    assert relative_error(applied_two, grads) <= 1e-5
+    assert relative_error(applied_one, grads) <= 1e-5
+    assert relative_error(applied_two, applied_one) <= 1e-5
+    logged = next(e for e in two["log_history"] if "loss" in e and "train_loss" not in e)
+    assert logged["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert logged["window_label_tokens"] == sum(tokens)
