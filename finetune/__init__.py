@@ -1,7 +1,20 @@
 """finetune: exact, fast large-batch fine-tuning of Hugging Face Transformers models."""
 
 from finetune.config import Config, RecipeError, load_config
-from finetune.loss import count_label_tokens, token_loss_sum
-from finetune.trainer import TokenNormTrainer
 
-__all__ = ["Config", "RecipeError", "TokenNormTrainer", "count_label_tokens", "load_config", "token_loss_sum"]
+# Lazy: `finetune/train.py` checks a recipe before torch and transformers are imported, so a typo fails at once.
+_LAZY = {
+    "TokenNormTrainer": "finetune.trainer",
+    "count_label_tokens": "finetune.loss",
+    "token_loss_sum": "finetune.loss",
+}
+
+__all__ = ["Config", "RecipeError", "load_config", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'finetune' has no attribute {name!r}")

@@ -121,6 +121,8 @@ class Config:
     recipe: Optional[str] = None  # the YAML file this config came from
 
 
+OPEN_DICTS = ("model.config_overrides", "optim.lr_multipliers")
+
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "data.format": ("auto", "messages", "prompt_completion", "text"),
@@ -209,6 +211,8 @@ def load_config(argv: list[str]) -> Config:
     """`recipe=PATH` (at most one) and `key=value` overrides, in order, onto the schema; then the cross-field checks."""
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
+    for key in OPEN_DICTS:  # free-form maps: their keys belong to the model or the user, not to the schema
+        OmegaConf.set_struct(OmegaConf.select(schema, key), False)
     overrides = [_parse_override(a) for a in argv]
     recipes = [v for k, v in overrides if k == "recipe"]
     if len(recipes) > 1:

@@ -1,0 +1,69 @@
+"""Recipes: schema, overrides, and one clear line with exit code 2 for every mistake, before anything is written."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.config import RecipeError, accumulation_steps, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "recipes" / "debug.yaml")
+
+
+def test_recipe_then_overrides_in_order():
+    cfg = load_config([f"recipe={DEBUG}", "optim.lr=1e-5", "train.max_steps=7", "model.freeze=[model.embed_tokens]"])
+    assert cfg.optim.lr == 1e-5 and cfg.train.max_steps == 7
+    assert cfg.model.freeze == ["model.embed_tokens"]
+    assert cfg.model.config_overrides["hidden_size"] == 64  # from the YAML
+    assert cfg.recipe == DEBUG
+
+
+def test_every_shipped_recipe_loads():
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        load_config([f"recipe={recipe}"])
+
+
+def test_accumulation_is_derived_from_the_global_batch():
+    cfg = load_config([f"recipe={DEBUG}", "train.global_batch_size=96", "train.micro_batch_size=4"])
+    assert accumulation_steps(cfg.train, ranks=1) == 24
+    assert accumulation_steps(cfg.train, ranks=8) == 3
+    with pytest.raises(RecipeError, match=r"train.global_batch_size=96 is not divisible by train.micro_batch_size=5 × 8 ranks = 40"):
+        cfg.train.micro_batch_size = 5
+        accumulation_steps(cfg.train, ranks=8)
+
+
+BAD = [
+    (["recipe=recipes/nope.yaml"], "recipe file 'recipes/nope.yaml' not found"),
+    ([f"recipe={DEBUG}", "train.micro_bach_size=2"], "did you mean 'train.micro_batch_size'"),
+    ([f"recipe={DEBUG}", "optim.lr=fast"], "optim.lr='fast' is not a valid number"),
+    ([f"recipe={DEBUG}", "train.global_batch_size=10", "train.micro_batch_size=4"],
+     "train.global_batch_size=10 is not divisible by train.micro_batch_size=4 × 1 rank = 4"),
+    ([f"recipe={DEBUG}", "train.precision=bf15"], "did you mean 'bf16'"),
+    ([f"recipe={DEBUG}", "lr=1e-5"], "did you mean 'optim.lr'"),
+    (["train.max_steps=3"], "model.name_or_path must be set"),
+    ([f"recipe={DEBUG}", "optim.lr_scaling=linear"], "needs optim.base_batch_size"),
+    ([f"recipe={DEBUG}", "max_steps"], "is not key=value"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_recipe_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", *argv, f"train.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert not out.exists()
+
+
+def test_yaml_is_safe_loaded(tmp_path):
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text("model:\n  name_or_path: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_config([f"recipe={recipe}"])
