@@ -77,6 +77,7 @@ def train(cfg: Config) -> int:
         save_steps=max(cfg.train.save_steps, 1),
         save_total_limit=cfg.train.save_total_limit,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
+        train_sampling_strategy="group_by_length" if cfg.data.batching == "length_grouped" else "random",
         remove_unused_columns=False,
         dataloader_num_workers=cfg.data.num_workers,
         ddp_find_unused_parameters=False,

@@ -58,6 +58,9 @@ class TokenNormTrainer(Trainer):
         labels_param = forward.get("labels")
         # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
         self._forward_needs_labels = labels_param is not None and labels_param.default is inspect.Parameter.empty
+        # Training never reads a KV cache, and with one transformers does not derive the block-diagonal mask of
+        # packed rows from their position_ids (attention would cross sequences).
+        self._no_cache = {"use_cache": False} if "use_cache" in forward else {}
         self._falls_back = False  # the model returned no [B, T, V] logits: behave exactly as Trainer
         self._trainer_num_items = None  # Trainer's own count, used only when falling back
         self._window_label_tokens: int | None = None
@@ -97,7 +100,7 @@ class TokenNormTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs["labels"]
         forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
-        outputs = model(**forward_inputs)
+        outputs = model(**forward_inputs, **self._no_cache)
         logits = logits_of(outputs)
         if logits is None or logits.dim() != 3 or logits.shape[:2] != labels.shape:
             return self._fall_back(model, inputs, return_outputs, logits)
