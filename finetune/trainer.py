@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging
 
-from finetune.loss import count_label_tokens, token_loss_sum
+from finetune.loss import count_label_tokens, kept_token_loss_sum, predicting_positions, token_loss_sum
 
 logger = logging.get_logger(__name__)
 
@@ -61,6 +61,9 @@ class TokenNormTrainer(Trainer):
         # Training never reads a KV cache, and with one transformers does not derive the block-diagonal mask of
         # packed rows from their position_ids (attention would cross sequences).
         self._no_cache = {"use_cache": False} if "use_cache" in forward else {}
+        # Logits only where a target is: prompt and padding positions never reach the LM head (most of the FLOPs and
+        # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
+        self._keeps_logits = "logits_to_keep" in forward
         self._falls_back = False  # the model returned no [B, T, V] logits: behave exactly as Trainer
         self._trainer_num_items = None  # Trainer's own count, used only when falling back
         self._window_label_tokens: int | None = None
@@ -100,11 +103,15 @@ class TokenNormTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs["labels"]
         forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
-        outputs = model(**forward_inputs, **self._no_cache)
+        keep = {"logits_to_keep": predicting_positions(labels)} if self._keeps_logits else {}
+        outputs = model(**forward_inputs, **self._no_cache, **keep)
         logits = logits_of(outputs)
-        if logits is None or logits.dim() != 3 or logits.shape[:2] != labels.shape:
+        if keep and logits is not None and logits.dim() == 2:
+            loss_sum, label_tokens = kept_token_loss_sum(logits, labels)
+        elif logits is not None and logits.dim() == 3 and logits.shape[:2] == labels.shape:
+            loss_sum, label_tokens = token_loss_sum(logits, labels)
+        else:
             return self._fall_back(model, inputs, return_outputs, logits)
-        loss_sum, label_tokens = token_loss_sum(logits, labels)
         if num_items_in_batch is None:  # outside the training loop (evaluation): this batch's own token mean
             loss = loss_sum / label_tokens.clamp(min=1)
         else:
