@@ -1,29 +1,106 @@
-"""Collators and optimizer-step counts for each `data.batching` mode."""
+"""How rows become micro-batches, for each `data.batching` mode, and how many optimizer steps that makes.
+
+- padded / length_grouped: `train.micro_batch_size` rows per micro-batch, padded to the longest (length_grouped
+  uses the Trainer's LengthGroupedSampler so rows of similar length share a micro-batch).
+- packed: padding-free rows with position_ids restarting per sequence; `train.micro_batch_size` sequences per row,
+  or as many as fit `data.max_tokens_per_micro_batch` when it is set.
+- token_budget: as many rows as fit `data.max_tokens_per_micro_batch` computed tokens (rows × padded length).
+
+Budgeted micro-batches are formed here once and handed to the Trainer as a dataset whose items are whole
+micro-batches (per-device batch size 1), so its sampler still shuffles, shards over ranks and skips on resume.
+"""
 
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
 
+import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from finetune.config import Config, DataConfig, RecipeError
+from finetune.config import Config, DataConfig, is_budgeted
+
+SORT_WINDOW = 512  # rows sorted together by length before budgeting: similar lengths, still a random order
 
 
-def make_collator(data: DataConfig, tokenizer):
-    if data.batching in ("padded", "length_grouped"):
-        # Pads input_ids with the pad token, labels with -100, and builds the attention mask.
-        return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
+@dataclass
+class Batches:
+    dataset: Any  # what the Trainer samples from: rows, or whole micro-batches
+    collator: Callable
+    per_device_batch_size: int
+    group_by_length: bool = False
+
+
+def row_collator(data: DataConfig, tokenizer) -> Callable:
     if data.batching == "packed":
-        # One padding-free row per micro-batch; position_ids restart at 0 for each sequence (the model derives a
-        # block-diagonal mask from them), and each sequence's first label becomes -100 so no target crosses a boundary.
+        # Each sequence's first label becomes -100 so no target crosses a boundary; the model derives a
+        # block-diagonal mask from the restarting position_ids (the trainer runs without a KV cache for this).
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
-    raise RecipeError(f"data.batching={data.batching} is not available yet; use data.batching=padded")
+    # Pads input_ids with the pad token and labels with -100, and builds the attention mask.
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
 
 
-def count_optimizer_steps(cfg: Config, rows: int, ranks: int, accumulation: int) -> int:
+def budget_groups(lengths: list[int], max_tokens: int, padded: bool, seed: int) -> list[list[int]]:
+    """Row indices per micro-batch, each costing at most `max_tokens` computed tokens; deterministic in `seed`."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    groups: list[list[int]] = []
+    for start in range(0, len(order), SORT_WINDOW):
+        window = sorted(order[start : start + SORT_WINDOW], key=lambda i: -lengths[i])
+        group: list[int] = []
+        longest = used = 0
+        for i in window:
+            cost = (len(group) + 1) * max(longest, lengths[i]) if padded else used + lengths[i]
+            if group and cost > max_tokens:
+                groups.append(group)
+                group, longest, used = [], 0, 0
+            group.append(i)
+            longest, used = max(longest, lengths[i]), used + lengths[i]
+        if group:
+            groups.append(group)
+    rng.shuffle(groups)
+    return groups
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Items are whole micro-batches (lists of rows)."""
+
+    def __init__(self, rows: list[dict], groups: list[list[int]]):
+        self.rows, self.groups = rows, groups
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return [self.rows[i] for i in self.groups[index]]
+
+
+class MicroBatchCollator:
+    def __init__(self, inner: Callable):
+        self.inner = inner
+
+    def __call__(self, items: list[list[dict]]):
+        return self.inner([row for item in items for row in item])
+
+
+def prepare(cfg: Config, dataset, tokenizer) -> Batches:
+    collator = row_collator(cfg.data, tokenizer)
+    if not is_budgeted(cfg.data):
+        return Batches(dataset, collator, cfg.train.micro_batch_size, cfg.data.batching == "length_grouped")
+    rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    lengths = [len(r["input_ids"]) for r in rows]
+    padded = cfg.data.batching == "token_budget"
+    groups = budget_groups(lengths, cfg.data.max_tokens_per_micro_batch, padded, cfg.train.seed)
+    return Batches(MicroBatches(rows, groups), MicroBatchCollator(collator), 1)
+
+
+def count_optimizer_steps(cfg: Config, batches: Batches, ranks: int, accumulation: int) -> int:
     """Optimizer steps of the run, counted as the Trainer counts them (the schedule's `total_steps`)."""
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    batches_per_rank = math.ceil(math.ceil(rows / cfg.train.micro_batch_size) / ranks)
+    batches_per_rank = math.ceil(math.ceil(len(batches.dataset) / batches.per_device_batch_size) / ranks)
     steps_per_epoch = max(math.ceil(batches_per_rank / accumulation), 1)
     return math.ceil(cfg.train.epochs * steps_per_epoch)

@@ -63,6 +63,7 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     micro_batch_size: int = 8
     global_batch_size: int = 8  # sequences per optimizer step over all ranks
+    global_batch_tokens: Optional[int] = None  # computed tokens per optimizer step, for token-budgeted batching
     max_steps: int = -1
     epochs: float = 1.0
     precision: str = "fp32"  # fp32 | bf16 | fp16
@@ -251,17 +252,40 @@ def data_parallel_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def accumulation_steps(train: TrainConfig, ranks: int) -> int:
-    per_micro_step = train.micro_batch_size * ranks
-    if train.global_batch_size % per_micro_step:
-        lower = train.global_batch_size // per_micro_step * per_micro_step
+def is_budgeted(data: DataConfig) -> bool:
+    """Micro-batches filled up to `data.max_tokens_per_micro_batch` rather than a fixed row count."""
+    return data.batching == "token_budget" or (data.batching == "packed" and bool(data.max_tokens_per_micro_batch))
+
+
+def accumulation_steps(config: Config, ranks: int) -> int:
+    """Micro-batches per rank per optimizer step, from the global batch (sequences, or tokens when budgeted)."""
+    train, data = config.train, config.data
+    if is_budgeted(data):
+        if not train.global_batch_tokens:
+            raise RecipeError(
+                f"data.batching={data.batching} with data.max_tokens_per_micro_batch fills micro-batches by tokens; "
+                f"set train.global_batch_tokens (a multiple of {data.max_tokens_per_micro_batch} × {ranks} ranks)"
+            )
+        total, per_micro_step = train.global_batch_tokens, data.max_tokens_per_micro_batch * ranks
+        names = f"train.global_batch_tokens={total} is not divisible by data.max_tokens_per_micro_batch="
+        names += f"{data.max_tokens_per_micro_batch}"
+    else:
+        if train.global_batch_tokens:
+            raise RecipeError(
+                "train.global_batch_tokens applies to data.batching=token_budget (or packed with "
+                "data.max_tokens_per_micro_batch); use train.global_batch_size for sequences"
+            )
+        total, per_micro_step = train.global_batch_size, train.micro_batch_size * ranks
+        names = f"train.global_batch_size={total} is not divisible by train.micro_batch_size={train.micro_batch_size}"
+    if total % per_micro_step:
+        lower = total // per_micro_step * per_micro_step
         options = " or ".join(str(v) for v in (lower, lower + per_micro_step) if v > 0)
+        key = names.split("=", 1)[0]
         raise RecipeError(
-            f"train.global_batch_size={train.global_batch_size} is not divisible by train.micro_batch_size="
-            f"{train.micro_batch_size} × {ranks} rank{'s' if ranks != 1 else ''} = {per_micro_step}; "
-            f"set train.global_batch_size to a multiple of {per_micro_step} (e.g. {options})"
+            f"{names} × {ranks} rank{'s' if ranks != 1 else ''} = {per_micro_step}; "
+            f"set {key} to a multiple of {per_micro_step} (e.g. {options})"
         )
-    return train.global_batch_size // per_micro_step
+    return total // per_micro_step
 
 
 def check_config(config: Config) -> None:
@@ -283,6 +307,17 @@ def check_config(config: Config) -> None:
         raise RecipeError(f"train.max_grad_norm={config.train.max_grad_norm} must be ≥ 0 (0 turns clipping off)")
     if config.data.batching == "token_budget" and not config.data.max_tokens_per_micro_batch:
         raise RecipeError("data.batching=token_budget needs data.max_tokens_per_micro_batch (tokens per micro-batch)")
+    budget = config.data.max_tokens_per_micro_batch
+    if budget and config.data.batching in ("padded", "length_grouped"):
+        raise RecipeError(
+            f"data.max_tokens_per_micro_batch applies to data.batching=token_budget or packed, not "
+            f"{config.data.batching}; remove it or change data.batching"
+        )
+    if budget and budget < config.data.max_length:
+        raise RecipeError(
+            f"data.max_tokens_per_micro_batch={budget} is below data.max_length={config.data.max_length}: a "
+            "longest row would not fit; raise the budget or lower data.max_length"
+        )
     if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:
         raise RecipeError(
             f"optim.lr_scaling={config.optim.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was "
@@ -293,7 +328,7 @@ def check_config(config: Config) -> None:
             "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
             "(or use train.precision=bf16)"
         )
-    accumulation_steps(config.train, data_parallel_ranks())
+    accumulation_steps(config, data_parallel_ranks())
 
 
 def to_yaml(config: Config) -> str:

@@ -31,7 +31,7 @@ def train(cfg: Config) -> int:
     from finetune.trainer import TokenNormTrainer
 
     ranks = data_parallel_ranks()
-    accumulation = accumulation_steps(cfg.train, ranks)
+    accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
 
     # model and tokenizer (a GGUF is converted once into a plain folder in the cache)
@@ -41,8 +41,8 @@ def train(cfg: Config) -> int:
     # data
     dataset, report = load_sft_dataset(cfg.data, tokenizer)
     reporting.main_print(f"data: {report.summary()}")
-    collator = batching.make_collator(cfg.data, tokenizer)
-    total_steps = batching.count_optimizer_steps(cfg, len(dataset), ranks, accumulation)
+    batches = batching.prepare(cfg, dataset, tokenizer)
+    total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)
 
     model = models.load_model(cfg.model, folder)
     lr = schedules.scaled_lr(cfg.optim.lr, cfg.train.global_batch_size, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
@@ -60,7 +60,7 @@ def train(cfg: Config) -> int:
     # trainer
     args = TrainingArguments(
         output_dir=cfg.train.output_dir,
-        per_device_train_batch_size=cfg.train.micro_batch_size,
+        per_device_train_batch_size=batches.per_device_batch_size,
         gradient_accumulation_steps=accumulation,
         max_steps=cfg.train.max_steps,
         num_train_epochs=cfg.train.epochs,
@@ -77,7 +77,7 @@ def train(cfg: Config) -> int:
         save_steps=max(cfg.train.save_steps, 1),
         save_total_limit=cfg.train.save_total_limit,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
-        train_sampling_strategy="group_by_length" if cfg.data.batching == "length_grouped" else "random",
+        train_sampling_strategy="group_by_length" if batches.group_by_length else "random",
         remove_unused_columns=False,
         dataloader_num_workers=cfg.data.num_workers,
         ddp_find_unused_parameters=False,
@@ -86,8 +86,8 @@ def train(cfg: Config) -> int:
     trainer = TokenNormTrainer(
         model=model,
         args=args,
-        train_dataset=dataset,
-        data_collator=collator,
+        train_dataset=batches.dataset,
+        data_collator=batches.collator,
         processing_class=tokenizer,
         optimizers=(optimizer, scheduler),
         callbacks=[reporting.StepCountCheck(total_steps)],

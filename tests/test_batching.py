@@ -52,3 +52,42 @@ def test_packed_training_is_exact(attn, tmp_path):
         grads, _ = reference_gradient(model_at(initial, snapshots.snapshots[k]), window)
         applied = {n: snapshots.snapshots[k][n] - snapshots.snapshots[k + 1][n] for n in grads}
         assert relative_error(applied, grads) <= 1e-5
+
+
+def test_token_budget_groups_respect_the_budget_and_use_every_row_once():
+    from finetune.batching import budget_groups
+
+    lengths = [len(r["input_ids"]) for r in ragged_rows(300, seed=9, max_len=60)]
+    for padded in (True, False):
+        groups = budget_groups(lengths, 128, padded=padded, seed=0)
+        assert sorted(i for g in groups for i in g) == list(range(300))
+        for g in groups:
+            cost = len(g) * max(lengths[i] for i in g) if padded else sum(lengths[i] for i in g)
+            assert cost <= 128
+        assert groups == budget_groups(lengths, 128, padded=padded, seed=0)
+        assert groups != budget_groups(lengths, 128, padded=padded, seed=1)
+        # few micro-batches are left far under budget: little computed padding
+        assert sum(len(g) * max(lengths[i] for i in g) if padded else sum(lengths[i] for i in g) for g in groups) >= 0.8 * 128 * len(groups)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["token_budget", "packed_budget"])
+def test_token_budget_training_is_exact(padded, tmp_path):
+    from finetune.batching import MicroBatchCollator, MicroBatches, budget_groups
+    from tests.toy import RecordingCollator
+
+    initial = tiny_llama()
+    rows = ragged_rows(20, seed=6)
+    groups = budget_groups([len(r["input_ids"]) for r in rows], 64, padded=padded, seed=0)
+    inner = RecordingCollator() if padded else RecordingFlattening()
+    snapshots = SnapshotCallback()
+    trainer = TokenNormTrainer(
+        model=copy.deepcopy(initial), args=sgd_args(tmp_path, 1, 3), train_dataset=MicroBatches(rows, groups),
+        data_collator=MicroBatchCollator(inner), callbacks=[snapshots],
+    )
+    trainer.train()
+    assert len({len(b) for b in inner.batches}) > 1, "row counts per micro-batch should vary"
+    windows = [sum(inner.batches[i : i + 3], []) for i in range(0, len(inner.batches), 3)]
+    for k, window in enumerate(windows):
+        grads, _ = reference_gradient(model_at(initial, snapshots.snapshots[k]), window)
+        applied = {n: snapshots.snapshots[k][n] - snapshots.snapshots[k + 1][n] for n in grads}
+        assert relative_error(applied, grads) <= 1e-5

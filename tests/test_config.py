@@ -27,11 +27,23 @@ def test_every_shipped_recipe_loads():
 
 def test_accumulation_is_derived_from_the_global_batch():
     cfg = load_config([f"recipe={DEBUG}", "train.global_batch_size=96", "train.micro_batch_size=4"])
-    assert accumulation_steps(cfg.train, ranks=1) == 24
-    assert accumulation_steps(cfg.train, ranks=8) == 3
+    assert accumulation_steps(cfg, ranks=1) == 24
+    assert accumulation_steps(cfg, ranks=8) == 3
     with pytest.raises(RecipeError, match=r"train.global_batch_size=96 is not divisible by train.micro_batch_size=5 × 8 ranks = 40"):
         cfg.train.micro_batch_size = 5
-        accumulation_steps(cfg.train, ranks=8)
+        accumulation_steps(cfg, ranks=8)
+
+
+def test_token_budgets_state_the_global_batch_in_tokens():
+    base = [f"recipe={DEBUG}", "data.batching=token_budget", "data.max_tokens_per_micro_batch=512"]
+    cfg = load_config([*base, "train.global_batch_tokens=4096"])
+    assert accumulation_steps(cfg, ranks=2) == 4
+    with pytest.raises(RecipeError, match="set train.global_batch_tokens"):
+        load_config(base)
+    with pytest.raises(RecipeError, match="train.global_batch_tokens=5000 is not divisible"):
+        load_config([*base, "train.global_batch_tokens=5000"])
+    with pytest.raises(RecipeError, match="below data.max_length"):
+        load_config([*base, "train.global_batch_tokens=4096", "data.max_length=1024"])
 
 
 BAD = [
