@@ -24,11 +24,11 @@ def main(argv: list[str]) -> int:
 
 def train(cfg: Config) -> int:
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
-    from transformers import TrainingArguments
+    from transformers import TrainingArguments, set_seed
 
-    from finetune import batching, models, optim, reporting, schedules
+    from finetune import batching, models, reporting, schedules
     from finetune.data import load_sft_dataset
-    from finetune.trainer import TokenNormTrainer
+    from finetune.trainer import RecipeTrainer
 
     ranks = data_parallel_ranks()
     accumulation = accumulation_steps(cfg, ranks)
@@ -44,15 +44,18 @@ def train(cfg: Config) -> int:
     batches = batching.prepare(cfg, dataset, tokenizer)
     total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)
 
+    set_seed(cfg.train.seed)  # the same initial weights (from_config) and dropout on every rank and every run
     model = models.load_model(cfg.model, folder)
-    lr = schedules.scaled_lr(cfg.optim.lr, cfg.train.global_batch_size, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
-    optimizer = optim.build_optimizer(model, cfg.optim, lr)
+    global_batch, unit = (
+        (cfg.train.global_batch_tokens, "tokens") if cfg.train.global_batch_tokens else (cfg.train.global_batch_size, "sequences")
+    )
+    lr = schedules.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
     schedules.check_schedule(total_steps, cfg.schedule)
-    scheduler = schedules.build_scheduler(optimizer, total_steps, cfg.schedule)
+    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if batches.per_device_batch_size == 1 and unit == "tokens" else cfg.train.micro_batch_size
     reporting.main_print(
         schedules.describe_batch_and_lr(
-            cfg.train.micro_batch_size, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling,
-            cfg.optim.base_batch_size,
+            micro, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling, cfg.optim.base_batch_size,
+            global_batch, unit,
         )
         + f"; {total_steps} optimizer steps"
     )
@@ -83,14 +86,16 @@ def train(cfg: Config) -> int:
         ddp_find_unused_parameters=False,
         use_cpu=not reporting.has_accelerator(),
     )
-    trainer = TokenNormTrainer(
+    trainer = RecipeTrainer(
         model=model,
         args=args,
         train_dataset=batches.dataset,
         data_collator=batches.collator,
         processing_class=tokenizer,
-        optimizers=(optimizer, scheduler),
         callbacks=[reporting.StepCountCheck(total_steps)],
+        optim_config=cfg.optim,
+        schedule_config=cfg.schedule,
+        peak_lr=lr,
     )
 
     # train
@@ -98,6 +103,7 @@ def train(cfg: Config) -> int:
 
     # save
     trainer.save_model(cfg.train.output_dir)
+    trainer.save_state()  # trainer_state.json: one log_history entry per logged optimizer step
     if trainer.is_world_process_zero():
         with open(os.path.join(cfg.train.output_dir, "recipe.yaml"), "w") as f:
             f.write(to_yaml(cfg))

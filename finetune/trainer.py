@@ -157,3 +157,29 @@ class TokenNormTrainer(Trainer):
             self._label_tokens_since_log = 0
             self._windows_since_log = 0
         super().log(logs, start_time)
+
+
+class RecipeTrainer(TokenNormTrainer):
+    """What `finetune/train.py` runs: TokenNormTrainer with the recipe's optimizer and schedule.
+
+    Both are built at the Trainer's own hooks, so the optimizer sees the model as FSDP2/ZeRO wrap it, and the schedule
+    gets the Trainer's count of optimizer steps (never micro-batches) and is stepped by the Trainer once per step.
+    """
+
+    def __init__(self, *args, optim_config, schedule_config, peak_lr: float, **kwargs):
+        self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        from finetune.optim import build_optimizer
+
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(model if model is not None else self.model, self.optim_config, self.peak_lr)
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from finetune.schedules import build_scheduler
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, num_training_steps, self.schedule_config)
+        return super().create_scheduler(num_training_steps, optimizer)

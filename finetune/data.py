@@ -1,0 +1,326 @@
+"""SFT rows from the recipe's `data:` section: read, check, render through the chat template, tokenize, label.
+
+`load_sft_dataset(data, tokenizer)` returns a `datasets.Dataset` with `input_ids` and `labels` (-100 where there is
+no loss; not shifted: labels[i] is the target token at position i, the trainer shifts) and a `DataReport`.
+
+Sources: `stdlib_docs` (built in, see finetune/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
+them; otherwise a hub dataset id. Formats: `messages` ([{role, content}, …]), `prompt`/`completion` (strings, or
+lists of messages), `text`. Chat rows go through `tokenizer.apply_chat_template`; the assistant spans come from
+prefix renderings (most templates have no `{% generation %}` tags): for assistant turn i, messages[:i] with the
+generation prompt ends where the turn starts and messages[:i+1] ends where it ends. The span keeps the end-of-turn
+token (e.g. `<|im_end|>`) but not the whitespace the template puts after it, which the model never generates.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import DataConfig, RecipeError
+
+IGNORE = -100
+FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+PATH_SUFFIXES = set(FILE_KINDS) | {".txt", ".tsv", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
+COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+
+if TYPE_CHECKING:
+    import datasets
+
+Record = tuple[str, Any]  # (where: "file line 7", the raw row)
+
+
+@dataclass
+class DataReport:
+    source: str = ""
+    format: str = ""
+    rows_read: int = 0
+    rows_kept: int = 0
+    truncated: int = 0
+    dropped_over_length: int = 0
+    dropped_no_supervised_tokens: int = 0
+    bad_rows_skipped: int = 0
+    tokens: int = 0  # input tokens over the kept rows
+    target_tokens: int = 0  # supervised targets after the causal shift
+
+    def summary(self) -> str:
+        counts = [
+            (self.truncated, "truncated"), (self.dropped_over_length, "dropped over data.max_length"),
+            (self.dropped_no_supervised_tokens, "dropped without targets"), (self.bad_rows_skipped, "bad skipped"),
+        ]
+        extra = "".join(f", {n:,} {what}" for n, what in counts if n)
+        return (
+            f"{self.source} ({self.format}): {self.rows_kept:,} of {self.rows_read:,} rows kept{extra}; "
+            f"{self.tokens:,} tokens, {self.target_tokens:,} targets"
+        )
+
+
+class BadRow(Exception):
+    """A row that cannot be used: an error, or skipped and counted with data.on_bad_row=skip."""
+
+
+def _bad(data: DataConfig, report: DataReport, where: str, why: str) -> None:
+    if data.on_bad_row == "error":
+        raise RecipeError(f"{where}: {why} (data.on_bad_row=skip skips such rows)")
+    report.bad_rows_skipped += 1
+
+
+# ---- reading ----
+
+
+def _looks_like_path(source: str) -> bool:
+    return (
+        Path(source).suffix.lower() in PATH_SUFFIXES or source.startswith(("/", "./", "../", "~"))
+        or source.count("/") > 1 or "\\" in source
+    )
+
+
+def _room(data: DataConfig, report: DataReport, available: int) -> int:
+    return available if data.limit is None else max(0, min(available, data.limit - report.rows_read))
+
+
+def _take(items: list, label: str, data: DataConfig, report: DataReport, out: list[Record]) -> None:
+    room = _room(data, report, len(items))
+    report.rows_read += room
+    out += [(f"{label} {k + 1}", item) for k, item in enumerate(items[:room])]
+
+
+def _read_json_lines(path: Path, lines: list[bytes], data: DataConfig, report: DataReport, out: list[Record]) -> None:
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        if not _room(data, report, 1):
+            return
+        report.rows_read += 1
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            _bad(data, report, where, "not UTF-8")
+            continue
+        except json.JSONDecodeError as e:
+            _bad(data, report, where, f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        out.append((where, record))
+
+
+def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Record]) -> None:
+    kind = FILE_KINDS[path.suffix.lower()]
+    if kind in ("parquet", "csv"):
+        import datasets
+
+        try:
+            table = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:
+            raise RecipeError(f"{path}: cannot read as {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
+        return _take(table.select(range(_room(data, report, len(table)))).to_list(), f"{path} row", data, report, out)
+    content = path.read_bytes()
+    if kind == "json" and content.lstrip().startswith(b"["):  # a JSON array; anything else is JSON lines
+        try:
+            items = json.loads(content.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise RecipeError(f"{path}: not a valid JSON array ({at})") from None
+        return _take(items, f"{path} item", data, report, out)
+    _read_json_lines(path, content.splitlines(), data, report, out)
+
+
+def read_records(data: DataConfig, report: DataReport) -> list[Record]:
+    """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
+    source, out = data.source, []
+    if source == "stdlib_docs":
+        from finetune.stdlib_docs import ensure_cached
+
+        _read_file(ensure_cached(), data, report, out)
+        return out
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_KINDS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files")
+        for file in files:
+            if _room(data, report, 1):
+                _read_file(file, data, report, out)
+        return out
+    if path.is_file():
+        if path.suffix.lower() not in FILE_KINDS:
+            raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
+        _read_file(path, data, report, out)
+        return out
+    if _looks_like_path(source):
+        raise RecipeError(f"data.source={source}: no such file or folder")
+    import datasets
+
+    try:
+        table = datasets.load_dataset(source, split=data.split)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RecipeError(
+            f"data.source={source}: neither a local path nor a reachable hub dataset (split {data.split}: {why})"
+        ) from None
+    rows = table.select(range(_room(data, report, len(table)))).to_list()
+    _take(rows, f"{source} [{data.split}] row", data, report, out)
+    return out
+
+
+# ---- rows to conversations or text ----
+
+
+def detect_format(requested: str, records: list[Record], source: str) -> str:
+    columns = list(dict.fromkeys(k for _, r in records if isinstance(r, dict) for k in r))
+    if requested == "auto":
+        for fmt, needed in COLUMNS.items():
+            if all(c in columns for c in needed):
+                return fmt
+        expected = "; ".join(" + ".join(c) for c in COLUMNS.values())
+    else:
+        if all(c in columns for c in COLUMNS[requested]):
+            return requested
+        expected = " + ".join(COLUMNS[requested]) + f" (data.format={requested})"
+    raise RecipeError(f"data.source={source}: columns found: {', '.join(columns) or 'none'}; expected {expected}")
+
+
+def _text(value: Any, what: str) -> str:
+    if value is None or isinstance(value, str) and not value.strip():
+        raise BadRow(f"{what} is empty")
+    if not isinstance(value, str):
+        raise BadRow(f"{what} is {type(value).__name__}, not a string")
+    return value
+
+
+def _messages(value: Any, what: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"{what} is not a non-empty list of messages")
+    out = []
+    for k, message in enumerate(value, 1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise BadRow(f"{what}[{k}] is not a {{role, content}} message")
+        message = {key: v for key, v in message.items() if v is not None}  # parquet fills absent struct fields
+        _text(message.get("role"), f"{what}[{k}].role")
+        message["content"] = _text(message.get("content"), f"{what}[{k}].content")
+        out.append(message)
+    return out
+
+
+def parse_row(fmt: str, record: Any, loss_on: str) -> tuple[Any, list[int]]:
+    """(text, []) for text rows; (messages, indices of the labelled turns) for chat rows."""
+    if not isinstance(record, dict):
+        raise BadRow(f"a row is an object with {' + '.join(COLUMNS[fmt])}, not {type(record).__name__}")
+    missing = [c for c in COLUMNS[fmt] if c not in record]
+    if missing:
+        raise BadRow(f"missing {', '.join(missing)} (row has: {', '.join(record) or 'nothing'})")
+    if fmt == "text":
+        return _text(record["text"], "text"), []
+    if fmt == "messages":
+        messages = _messages(record["messages"], "messages")
+        first = 0
+    else:
+        prompt, completion = record["prompt"], record["completion"]
+        prompt = _messages(prompt, "prompt") if isinstance(prompt, list) else [
+            {"role": "user", "content": _text(prompt, "prompt")}]
+        completion = _messages(completion, "completion") if isinstance(completion, list) else [
+            {"role": "assistant", "content": _text(completion, "completion")}]
+        messages, first = prompt + completion, len(prompt)  # the prompt is never a target
+    turns = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
+    return messages, (turns[-1:] if loss_on == "completion" else turns)
+
+
+# ---- tokenizing and labelling ----
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja's raise_exception: e.g. roles that do not alternate
+        raise BadRow(f"the chat template refuses it ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+def _chat_labels(ids: list[int], prefix_ids: list[list[int]], turn_ids: list[list[int]], blank) -> list[int]:
+    """Labels on each assistant span; `blank(token)`: whitespace only, trimmed from the span's end."""
+    labels = [IGNORE] * len(ids)
+    for k, (prefix, turn) in enumerate(zip(prefix_ids, turn_ids), 1):
+        start, end = len(prefix), len(turn)
+        if ids[:start] != prefix or ids[:end] != turn or end <= start:
+            raise BadRow(
+                f"assistant turn {k}: the chat template does not render the conversation prefix-consistently "
+                "(messages[:i] + generation prompt is not a token prefix of the whole conversation; a template that "
+                "rewrites earlier turns, or content starting with whitespace that merges with the generation "
+                "prompt); use data.loss_on=all or fix the template/data"
+            )
+        while end - 1 > start and blank(ids[end - 1]):
+            end -= 1
+        labels[start:end] = ids[start:end]
+    return labels
+
+
+def row_strings(fmt: str, record: Any, tokenizer, loss_on: str) -> list[str]:
+    """What to tokenize for one row: the row, then per labelled assistant turn its two prefix renderings."""
+    row, turns = parse_row(fmt, record, loss_on)
+    if fmt == "text":
+        return [row]
+    turns = [] if loss_on == "all" else turns
+    return [_render(tokenizer, row, False)] + [_render(tokenizer, row[:i], True) for i in turns] + [
+        _render(tokenizer, row[: i + 1], False) for i in turns]
+
+
+def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple[list[int], list[int]]:
+    ids = list(encoded[0])
+    if fmt == "text" or loss_on == "all":
+        return ids, list(ids)
+    turns = (len(encoded) - 1) // 2
+    return ids, _chat_labels(ids, encoded[1 : 1 + turns], encoded[1 + turns :], blank)
+
+
+def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataReport]:
+    """(datasets.Dataset with input_ids and labels, DataReport)."""
+    import datasets
+
+    report = DataReport(source=data.source)
+    records = read_records(data, report)
+    if not records:
+        raise RecipeError(f"data.source={data.source}: no rows to read")
+    fmt = report.format = detect_format(data.format, records, data.source)
+    rows, strings = [], []  # (where, first string, how many); every string is tokenized in one batch call
+    for where, record in records:
+        try:
+            texts = row_strings(fmt, record, tokenizer, data.loss_on)
+        except BadRow as e:
+            _bad(data, report, where, str(e))
+            continue
+        rows.append((where, len(strings), len(texts)))
+        strings += texts
+    encoded = tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"] if strings else []
+    blank = functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
+    columns: dict[str, list] = {"input_ids": [], "labels": []}
+    for where, at, n in rows:
+        try:
+            ids, labels = row_labels(fmt, data.loss_on, encoded[at : at + n], blank)
+        except BadRow as e:
+            _bad(data, report, where, str(e))
+            continue
+        if len(ids) > data.max_length:
+            if data.truncation == "error":
+                raise RecipeError(
+                    f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+                    "data.max_length or set data.truncation=right (cut) or drop"
+                )
+            if data.truncation == "drop":
+                report.dropped_over_length += 1
+                continue
+            ids, labels = ids[: data.max_length], labels[: data.max_length]
+            report.truncated += 1
+        targets = sum(1 for label in labels[1:] if label != IGNORE)
+        if not targets:
+            report.dropped_no_supervised_tokens += 1
+            continue
+        columns["input_ids"].append(ids)
+        columns["labels"].append(labels)
+        report.tokens += len(ids)
+        report.target_tokens += targets
+    report.rows_kept = len(columns["input_ids"])
+    if not report.rows_kept:
+        raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
+    return datasets.Dataset.from_dict(columns), report
