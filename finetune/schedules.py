@@ -50,10 +50,13 @@ def check_schedule(total_steps: int, cfg: ScheduleConfig) -> None:
 
 
 def warmup_factor(step: int, warmup: int, shape: str, constant_factor: float) -> float:
-    """The LR factor at `step` < `warmup`: from 0 (linear, quadratic) or a held constant fraction."""
+    """The LR factor at `step` < `warmup`: rising to 1 at `warmup` (linear, quadratic) or a held constant fraction.
+
+    The ramp is (step + 1) / (warmup + 1), not step / warmup: no optimizer step is spent at LR 0.
+    """
     if shape == "constant":
         return constant_factor
-    progress = step / warmup
+    progress = (step + 1) / (warmup + 1)
     return progress if shape == "linear" else progress**2
 
 

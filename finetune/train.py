@@ -2,6 +2,9 @@
 
     accelerate launch finetune/train.py recipe=recipes/quickstart.yaml optim.lr=1e-5
     python finetune/train.py recipe=recipes/debug.yaml train.max_steps=3
+
+Top to bottom: recipe → model → data → batching → trainer → train → save. `build(cfg)` stops before training, so
+`finetune.verify` and `finetune.plan` run exactly what training runs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ def main(argv: list[str]) -> int:
         return 2
 
 
-def train(cfg: Config) -> int:
+def build(cfg: Config, callbacks: tuple = ()):
+    """The trainer this recipe trains with, ready for `.train()`; nothing is written yet."""
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import TrainingArguments, set_seed
 
@@ -37,25 +41,25 @@ def train(cfg: Config) -> int:
     # model and tokenizer (a GGUF is converted once into a plain folder in the cache)
     folder = models.model_folder(cfg.model)
     tokenizer = models.load_tokenizer(cfg.model, folder)
+    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
+    model = models.load_model(cfg.model, folder)
 
-    # data
+    # data and batching
     dataset, report = load_sft_dataset(cfg.data, tokenizer)
     reporting.main_print(f"data: {report.summary()}")
     batches = batching.prepare(cfg, dataset, tokenizer)
     total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)
 
-    set_seed(cfg.train.seed)  # the same initial weights (from_config) and dropout on every rank and every run
-    model = models.load_model(cfg.model, folder)
-    global_batch, unit = (
-        (cfg.train.global_batch_tokens, "tokens") if cfg.train.global_batch_tokens else (cfg.train.global_batch_size, "sequences")
-    )
+    # learning rate and schedule, from the effective batch
+    by_tokens = bool(cfg.train.global_batch_tokens)
+    global_batch = cfg.train.global_batch_tokens if by_tokens else cfg.train.global_batch_size
     lr = schedules.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
     schedules.check_schedule(total_steps, cfg.schedule)
-    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if batches.per_device_batch_size == 1 and unit == "tokens" else cfg.train.micro_batch_size
+    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if by_tokens else cfg.train.micro_batch_size
     reporting.main_print(
         schedules.describe_batch_and_lr(
             micro, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling, cfg.optim.base_batch_size,
-            global_batch, unit,
+            global_batch, "tokens" if by_tokens else "sequences",
         )
         + f"; {total_steps} optimizer steps"
     )
@@ -86,19 +90,23 @@ def train(cfg: Config) -> int:
         ddp_find_unused_parameters=False,
         use_cpu=not reporting.has_accelerator(),
     )
-    trainer = RecipeTrainer(
+    return RecipeTrainer(
         model=model,
         args=args,
         train_dataset=batches.dataset,
         data_collator=batches.collator,
         processing_class=tokenizer,
-        callbacks=[reporting.StepCountCheck(total_steps)],
+        callbacks=[reporting.StepCountCheck(total_steps), *callbacks],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
         peak_lr=lr,
     )
 
-    # train
+
+def train(cfg: Config) -> int:
+    from finetune import reporting
+
+    trainer = build(cfg)
     trainer.train(resume_from_checkpoint=reporting.resume_path(cfg))
 
     # save
