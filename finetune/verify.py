@@ -1,0 +1,328 @@
+"""Prove on your own recipe that training applies the exact token-mean gradient.
+
+    python -m finetune.verify recipe=recipes/debug.yaml [key=value …] [verify.steps=2] [verify.tolerance=1e-5]
+    accelerate launch -m finetune.verify recipe=recipes/quickstart.yaml
+
+The recipe runs as training runs it (`finetune.train.build`: model, data, batching, precision, ranks, LoRA/freeze)
+for `verify.steps` optimizer steps (default 1). Just before each optimizer step the applied gradient is captured and
+compared with a reference computed here from the rows that window really held (gathered from every rank): each
+sequence alone, unpadded, in float64 (float32 when the model does not fit), with the loss written out in this file
+(not `finetune.loss`), then clipped as the trainer clips (`train.max_grad_norm`). Exit 0 when the relative error is
+within the tolerance, 1 above it, 2 for a recipe error.
+
+Tolerances follow the lowest precision among `train.precision` and `model.dtype`: fp32 1e-5 (float32 against float64
+rounding is ~1e-7, a normalization bug is ≥ 1e-2); bf16 and fp16 see TOLERANCES (their rounding alone is ~1e-3-1e-2,
+still well below the 0.1-1 of a normalization bug).
+
+Changed for the check, none of which can change the gradient: output in a temporary directory, no checkpoints,
+W&B off, no resume, `data.num_workers=0` (rows are recorded in this process). Dropout is switched off in the trained
+model and the reference alike, so the step is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from finetune.config import Config, RecipeError, load_config
+
+TOLERANCES = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepCheck:
+    step: int
+    rows: int
+    label_tokens: int
+    error: float  # ‖applied − reference‖ / ‖reference‖ over all trainable parameters
+    groups: dict[str, tuple[float, float]] = field(default_factory=dict)  # group → (relative error, ‖reference‖)
+    clip: float = 1.0  # the factor clipping applied to the reference (1: not clipped)
+    norms: tuple[float, float] | None = None  # pre-clip gradient norm: (the trainer's, the reference's)
+    reference_loss: float = 0.0
+    logged_loss: float | None = None
+
+
+def split_args(argv: list[str]) -> tuple[list[str], int, float | None]:
+    """(recipe arguments, verify.steps, verify.tolerance): the verify.* keys are this tool's, not the recipe's."""
+    rest, steps, tolerance = [], 1, None
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        key = key.strip()
+        if key not in ("verify.steps", "verify.tolerance"):
+            rest.append(arg)
+            continue
+        try:
+            number = int(value) if key == "verify.steps" else float(value)
+        except ValueError:
+            raise RecipeError(f"{key}={value!r} is not a number; write e.g. verify.steps=2 or verify.tolerance=1e-5")
+        if number <= 0:
+            raise RecipeError(f"{key}={value} must be positive")
+        steps, tolerance = (number, tolerance) if key == "verify.steps" else (steps, number)
+    return rest, steps, tolerance
+
+
+def tolerance_for(cfg: Config) -> tuple[float, str]:
+    """The tolerance of the lowest precision the step runs in (mixed precision or the weights' own dtype)."""
+    precision = max((cfg.train.precision, PRECISION_OF_DTYPE[cfg.model.dtype]), key=TOLERANCES.get)
+    return TOLERANCES[precision], precision
+
+
+def is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def group_of(name: str) -> str:
+    """Parameter group for the report: up to the layer index (`model.layers.3`), else the owning module."""
+    name = name.removeprefix("base_model.model.")  # PEFT's wrapper prefix
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def silence_dropout(model) -> None:
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+class WindowRecorder:
+    """Rows of every micro-batch as the collator saw them (before padding or packing), grouped per fetched window.
+
+    The collator runs one micro-batch ahead of the loop (accelerate's look-ahead), so rows wait in a queue until
+    `get_batch_samples` says how many micro-batches the window took.
+    """
+
+    def __init__(self, trainer):
+        self.pending: deque = deque()
+        self.windows: list[list[dict]] = []
+        collate, fetch = trainer.data_collator, trainer.get_batch_samples
+
+        def recording_collator(features):
+            rows = [row for item in features for row in (item if isinstance(item, list) else [item])]
+            self.pending.append([{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in rows])
+            return collate(features)
+
+        def recording_fetch(epoch_iterator, num_batches, device):
+            samples, count = fetch(epoch_iterator, num_batches, device)
+            self.windows.append([row for _ in samples for row in self.pending.popleft()])
+            return samples, count
+
+        trainer.data_collator = recording_collator
+        trainer.get_batch_samples = recording_fetch
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard → the whole tensor
+
+
+def make_capture(trainer, recorder: WindowRecorder, steps: int):
+    """A callback that, before each optimizer step, keeps the applied gradient, the parameters and all ranks' rows."""
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    # The norm the trainer clipped with: the reference is clipped by the same factor, so the check is of the gradient,
+    # not of torch's float32 norm (off by ~1e-4 relative on CPU for millions of elements; reported beside).
+    norms, clip = [], trainer._clip_grad_norm
+    trainer._clip_grad_norm = lambda model: norms.append(float(norm := clip(model))) or norm
+
+    class GradientCapture(TrainerCallback):
+        def __init__(self):
+            self.captures: list[dict] = []
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            trainable = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+            if any(hasattr(p, "full_tensor") for _, p in trainable):
+                raise RecipeError("finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
+                                  "not FSDP (the gradient math is the same)")
+            if all(p.grad is None for _, p in trainable):
+                raise RecipeError("no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
+                                  "its engine); run finetune.verify with DDP or one process")
+            # fp16 without clipping: the GradScaler has not unscaled yet (clipping unscales first).
+            scaler = getattr(trainer.accelerator, "scaler", None)
+            unscale = scaler.get_scale() if scaler is not None and args.max_grad_norm <= 0 else 1.0
+            keep = lambda t: t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)  # noqa
+            grads = {n: keep(_full(p.grad)) / unscale if p.grad is not None else None for n, p in trainable}
+            rows = recorder.windows[len(self.captures)]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, rows)
+                rows = [row for rank_rows in gathered for row in rank_rows]
+            if is_main_process():
+                params = {n: p.detach().to("cpu", copy=True) for n, p in trainable}
+                norm = norms[-1] if args.max_grad_norm > 0 else None
+                self.captures.append({"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1,
+                                      "norm": norm})
+            else:
+                self.captures.append({})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if len(self.captures) >= steps:
+                control.should_training_stop = True
+
+    return GradientCapture()
+
+
+def reference_placement(model, trainable: int):
+    """(dtype, device) for the reference: float64 where it fits, else float32; the training device before the CPU."""
+    import psutil
+    import torch
+
+    total = sum(p.numel() for p in model.parameters())
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    device = next(model.parameters()).device
+    room = {torch.device("cpu"): psutil.virtual_memory().available + (held if device.type == "cpu" else 0)}
+    if device.type == "cuda":
+        room = {device: torch.cuda.mem_get_info(device)[0] + held, **room}
+    for where, free in room.items():
+        for dtype in (torch.float64, torch.float32):
+            # weights + gradients, and a quarter again for one sequence's activations
+            if (total + trainable) * (8 if dtype == torch.float64 else 4) * 1.25 <= free:
+                return dtype, where
+    raise RecipeError(f"the float32 reference model ({(total + trainable) * 4 / 2**30:.1f} GiB with gradients) fits "
+                      "neither the accelerator nor the free RAM; verify a smaller model or free memory")
+
+
+def reference_gradient(model, rows: list[dict], dtype, device):
+    """Token-mean next-token cross-entropy over `rows`, each sequence alone: ({name: grad}, mean loss, targets)."""
+    import torch
+
+    targets_total = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for r in rows)
+    model.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for row in rows:
+        ids = torch.tensor([row["input_ids"]], device=device)
+        targets = torch.tensor(row["labels"][1:], device=device)  # position t predicts token t + 1
+        picked = targets != IGNORE_INDEX
+        if not picked.any():
+            continue
+        out = model(input_ids=ids)
+        logits = (out.logits if hasattr(out, "logits") else out["logits"])[0, :-1]
+        log_probs = torch.log_softmax(logits[picked].to(dtype), dim=-1)
+        sequence_loss = -log_probs.gather(1, targets[picked].unsqueeze(1)).sum()
+        (sequence_loss / targets_total).backward()  # one sequence at a time: the gradients add up
+        loss_sum += float(sequence_loss.detach())
+    grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+             for n, p in model.named_parameters() if p.requires_grad}
+    return grads, loss_sum / max(targets_total, 1), targets_total
+
+
+def compare(applied: dict, reference: dict) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Relative error over everything and per parameter group (0 where both are zero)."""
+    diff, norm = defaultdict(float), defaultdict(float)
+    for name, ref in reference.items():
+        ref = ref.double().cpu()
+        got = applied[name].double() if applied.get(name) is not None else ref.new_zeros(ref.shape)
+        diff[group_of(name)] += float(((got - ref) ** 2).sum())
+        norm[group_of(name)] += float((ref**2).sum())
+    ratio = lambda d, n: math.sqrt(d / n) if n > 0 else (0.0 if d == 0 else math.inf)  # noqa: E731
+    groups = {g: (ratio(diff[g], norm[g]), math.sqrt(norm[g])) for g in diff}
+    return ratio(sum(diff.values()), sum(norm.values())), groups
+
+
+def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
+    """Train `steps` optimizer steps of the recipe and check each; the checks on rank 0, [] elsewhere."""
+    import gc
+
+    import torch
+    from transformers.trainer_callback import ProgressCallback
+
+    from finetune.train import build
+
+    cfg.train.output_dir = tempfile.mkdtemp(prefix="finetune-verify-")
+    cfg.train.save_steps, cfg.train.resume_from, cfg.log.wandb_mode, cfg.data.num_workers = 0, None, "disabled", 0
+    trainer = build(cfg)
+    trainer.remove_callback(ProgressCallback)
+    silence_dropout(trainer.model)
+    recorder = WindowRecorder(trainer)
+    capture = make_capture(trainer, recorder, steps)
+    trainer.add_callback(capture)
+    trainer.train()
+    if not is_main_process():
+        return []
+
+    logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
+    model, max_norm = trainer.model, trainer.args.max_grad_norm
+    trainer.optimizer = trainer.lr_scheduler = trainer.model_wrapped = None
+    trainer.accelerator.free_memory()
+    gc.collect()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    dtype, device = reference_placement(model, sum(p.numel() for p in trainable.values()))
+    model.to(device=device, dtype=dtype)
+    model.train()
+    print(f"verify: reference in {str(dtype).removeprefix('torch.')} on {device}, one sequence at a time", flush=True)
+    checks = []
+    for capture_k in capture.captures:
+        with torch.no_grad():
+            for name, value in capture_k["params"].items():
+                trainable[name].copy_(value)
+        reference, loss, targets = reference_gradient(model, capture_k["rows"], dtype, device)
+        clip, norms = 1.0, None
+        if capture_k["norm"] is not None:
+            norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))
+            clip = min(1.0, max_norm / (norms[0] + 1e-6))  # what torch.nn.utils.clip_grad_norm_ multiplies by
+            reference = {n: g * clip for n, g in reference.items()}
+        error, groups = compare(capture_k["grads"], reference)
+        step = capture_k["step"]
+        checks.append(StepCheck(step, len(capture_k["rows"]), targets, error, groups, clip, norms, loss,
+                                logged.get(step)))
+    return checks
+
+
+def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int) -> str:
+    lines = []
+    for c in checks:
+        clip = f", clipped ×{c.clip:.3g}" if c.clip < 1 else ""
+        logged = f", logged {c.logged_loss:.6g}" if c.logged_loss is not None else ""
+        lines.append(f"step {c.step}: {c.rows} sequences, {c.label_tokens} target tokens from {ranks} "
+                     f"rank{'s' if ranks != 1 else ''}{clip}; reference loss {c.reference_loss:.6g}{logged}")
+        if c.norms:
+            lines.append(f"  gradient norm before clipping: trainer {c.norms[0]:.6g}, reference {c.norms[1]:.6g} "
+                         f"(relative difference {abs(c.norms[0] - c.norms[1]) / max(c.norms[1], 1e-30):.1e})")
+        lines.append(f"  relative error {c.error:.2e}  (tolerance {tolerance:g}, {precision})")
+        width = max(len(g) for g in c.groups)
+        for group, (error, norm) in c.groups.items():
+            mark = "  <-- above tolerance" if error > tolerance else ""
+            lines.append(f"    {group:<{width}}  {error:.2e}  (‖reference‖ {norm:.3g}){mark}")
+    worst = max(c.error for c in checks)
+    verdict = "PASS" if worst <= tolerance else "FAIL"
+    lines.append(f"verify: {verdict}: largest relative error {worst:.2e} over {len(checks)} step"
+                 f"{'s' if len(checks) != 1 else ''} (tolerance {tolerance:g} for {precision})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        rest, steps, tolerance = split_args(argv)
+        cfg = load_config(rest)
+        default_tolerance, precision = tolerance_for(cfg)
+        tolerance = tolerance or default_tolerance
+        checks = run(cfg, steps)
+    except RecipeError as e:
+        if is_main_process():
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not is_main_process():
+        return 0
+    if not checks:
+        print("error: the run made no optimizer step; is the data empty?", file=sys.stderr)
+        return 2
+    print(report(checks, tolerance, precision, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
+    return 0 if max(c.error for c in checks) <= tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

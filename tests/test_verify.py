@@ -1,0 +1,102 @@
+"""`finetune.verify` on the debug recipe: passes on the real trainer, fails on a broken normalization, same recipe
+errors as training, and under two CPU ranks through `accelerate launch`."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import verify
+from finetune.config import RecipeError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+DEBUG = "recipe=recipes/debug.yaml"
+
+
+def errors_in(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^  relative error (\S+)", output, flags=re.M)]
+
+
+def run(cmd, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_passes_on_the_debug_recipe_with_clipping(capsys):
+    code = verify.main([DEBUG, "verify.steps=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    errors = errors_in(out)
+    assert len(errors) == 2 and max(errors) <= 1e-5
+    # the debug recipe clips (max_grad_norm 1) and the windows are the recipe's 8 sequences
+    assert len(re.findall(r"^step \d: 8 sequences, \d+ target tokens from 1 rank, clipped ×", out, flags=re.M)) == 2
+    assert "verify: PASS" in out
+
+
+def test_passes_on_packed_budgeted_rows_with_lora(capsys):
+    """Packed rows are split back into their sequences; only the LoRA parameters are compared."""
+    code = verify.main([DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=256",
+                        "train.global_batch_tokens=512", "model.lora.enabled=true", "train.max_grad_norm=0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert max(errors_in(out)) <= 1e-5
+    groups = re.findall(r"^    (\S+)\s+\S+\s+\(‖reference‖", out, flags=re.M)
+    assert groups == ["model.layers.0", "model.layers.1"]  # q_proj/v_proj LoRA weights only
+
+
+def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
+    """A check that can fail: the classic bug (mean of micro-batch means) is reported far above tolerance."""
+    import finetune.trainer
+
+    class PerMicroBatchMean(finetune.trainer.RecipeTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if num_items_in_batch is not None:  # each micro-batch divided by its own targets, then by accumulation
+                own = int((inputs["labels"][..., 1:] != -100).sum())
+                num_items_in_batch = own * self.args.gradient_accumulation_steps
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    monkeypatch.setattr(finetune.trainer, "RecipeTrainer", PerMicroBatchMean)
+    code = verify.main([DEBUG, "train.max_grad_norm=0"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert errors_in(out)[0] > 1e-2
+    assert "verify: FAIL" in out and "above tolerance" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"], [DEBUG, "train.global_batch_size=6"]],
+    ids=["missing-recipe", "typo", "indivisible-batch"],
+)
+def test_recipe_errors_are_the_same_as_training(args):
+    trained = run([sys.executable, "finetune/train.py", *args])
+    verified = run([sys.executable, "-m", "finetune.verify", *args])
+    assert trained.returncode == verified.returncode == 2
+    assert verified.stderr.startswith("error: ") and verified.stderr == trained.stderr
+
+
+def test_verify_arguments_and_tolerances():
+    with pytest.raises(RecipeError, match="verify.steps='two' is not a number"):
+        verify.split_args([DEBUG, "verify.steps=two"])
+    assert verify.split_args([DEBUG, "verify.steps=3", "verify.tolerance=1e-3"]) == ([DEBUG], 3, 1e-3)
+    assert verify.tolerance_for(load_config([DEBUG])) == (1e-5, "fp32")
+    # the lowest precision the step runs in sets the tolerance: bf16 weights under fp32 "precision" are bf16
+    assert verify.tolerance_for(load_config([DEBUG, "model.dtype=bfloat16"]))[1] == "bf16"
+    assert verify.group_of("base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight") == "model.layers.3"
+    assert verify.group_of("lm_head.weight") == "lm_head"
+
+
+def test_two_ranks_through_accelerate_launch():
+    result = run(
+        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", "0", "-m", "finetune.verify", DEBUG],
+        env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # both ranks' rows were gathered: the whole window of 8 sequences, 284 targets, as on one process
+    assert "8 sequences, 284 target tokens from 2 ranks" in result.stdout
+    assert max(errors_in(result.stdout)) <= 1e-5
