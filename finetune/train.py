@@ -27,6 +27,9 @@ def main(argv: list[str]) -> int:
 
 def build(cfg: Config, callbacks: tuple = ()):
     """The trainer this recipe trains with, ready for `.train()`; nothing is written yet."""
+    from finetune import distributed
+
+    distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before anything heavy
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import TrainingArguments, set_seed
 
@@ -88,6 +91,7 @@ def build(cfg: Config, callbacks: tuple = ()):
         remove_unused_columns=False,
         dataloader_num_workers=cfg.data.num_workers,
         ddp_find_unused_parameters=False,
+        accelerator_config=distributed.accelerator_config(cfg),
         use_cpu=not reporting.has_accelerator(),
     )
     return RecipeTrainer(
@@ -96,7 +100,7 @@ def build(cfg: Config, callbacks: tuple = ()):
         train_dataset=batches.dataset,
         data_collator=batches.collator,
         processing_class=tokenizer,
-        callbacks=[reporting.StepCountCheck(total_steps), *callbacks],
+        callbacks=[reporting.StepCountCheck(total_steps), *distributed.callbacks(), *callbacks],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
         peak_lr=lr,

@@ -1,0 +1,195 @@
+"""What `accelerate launch` decided, checked against the recipe before anything heavy is loaded.
+
+`accelerate launch` passes its config to each rank as environment variables (accelerate/utils/launch.py:
+ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_GRADIENT_*,
+ACCELERATE_USE_FSDP, FSDP_*; torchrun adds WORLD_SIZE). The Trainer then mixes them with TrainingArguments: a
+mixed precision the recipe did not ask for is used silently, and a DeepSpeed value that is not "auto" is compared
+only after the model is loaded, in DeepSpeed's names. `check_launch` says it at once, in the recipe's key names.
+
+The recipe is the one source of truth: precision, micro-batch, accumulation, clipping, optimizer and schedule. The
+shipped accelerate_configs/ leave all of them out, so DeepSpeed's batch keys stay "auto" and transformers fills
+them from TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from finetune.config import Config, RecipeError, accumulation_steps, is_budgeted
+
+# accelerate's names for the precisions a recipe can ask for (train.precision)
+RECIPE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _true(value: str | None) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def launched_ranks(env: Mapping[str, str]) -> int:
+    return int(env.get("WORLD_SIZE", "1"))
+
+
+def uses_deepspeed(env: Mapping[str, str] = os.environ) -> bool:
+    return _true(env.get("ACCELERATE_USE_DEEPSPEED"))
+
+
+def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
+    return _true(env.get("ACCELERATE_USE_FSDP"))
+
+
+def _precision_problem(cfg: Config, env: Mapping[str, str]) -> str | None:
+    launched = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    wanted = RECIPE_PRECISION[cfg.train.precision]
+    # "no" is accelerate's default and cannot be told apart from an unset value: the recipe decides then.
+    if launched in ("no", wanted):
+        return None
+    recipe_value = {"no": None, "bf16": "bf16", "fp16": "fp16"}.get(launched)
+    fix_recipe = f"pass train.precision={recipe_value}, or " if recipe_value else ""
+    return (
+        f"accelerate launch runs with mixed_precision={launched} but the recipe has "
+        f"train.precision={cfg.train.precision}; {fix_recipe}remove mixed_precision from the accelerate config "
+        "(and --mixed_precision from the command line) so the recipe decides"
+    )
+
+
+def _recipe_batch(cfg: Config, ranks: int) -> dict[str, tuple[float, str]]:
+    """DeepSpeed key -> (the value the recipe implies, how the recipe says it)."""
+    accumulation = accumulation_steps(cfg, ranks)
+    plural = "s" if ranks != 1 else ""
+    if is_budgeted(cfg.data):
+        micro, micro_text = 1, f"1 (data.batching={cfg.data.batching} fills each micro-batch by tokens)"
+        total_text = f"{accumulation} = accumulation × {ranks} rank{plural}"
+    else:
+        micro, micro_text = cfg.train.micro_batch_size, f"train.micro_batch_size={cfg.train.micro_batch_size}"
+        total_text = f"train.global_batch_size={cfg.train.global_batch_size}"
+    unit = "tokens" if is_budgeted(cfg.data) else "sequences"
+    global_key = "train.global_batch_tokens" if is_budgeted(cfg.data) else "train.global_batch_size"
+    return {
+        "train_micro_batch_size_per_gpu": (micro, micro_text),
+        "gradient_accumulation_steps": (
+            accumulation,
+            f"{accumulation} (from {global_key} over {ranks} rank{plural}, in {unit})",
+        ),
+        "train_batch_size": (micro * accumulation * ranks, total_text),
+        "gradient_clipping": (cfg.train.max_grad_norm, f"train.max_grad_norm={cfg.train.max_grad_norm}"),
+    }
+
+
+def _read_deepspeed_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"DeepSpeed config file '{path}' (deepspeed_config_file) not found; fix the path")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{path}: not valid JSON ({e.msg}, line {e.lineno}); fix the DeepSpeed config") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a DeepSpeed config must be a JSON object")
+    return data
+
+
+def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
+    ranks = launched_ranks(env)
+    recipe = _recipe_batch(cfg, ranks)
+    # Values from the accelerate config's deepspeed_config fields (or --gradient_accumulation_steps/--gradient_clipping)
+    sources: list[tuple[str, dict]] = [
+        (
+            "the accelerate config (deepspeed_config)",
+            {
+                "gradient_accumulation_steps": env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                "gradient_clipping": env.get("ACCELERATE_GRADIENT_CLIPPING"),
+            },
+        )
+    ]
+    ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if ds_file and ds_file.lower() != "none":
+        sources.append((ds_file, _read_deepspeed_file(ds_file)))
+    problems = []
+    for where, values in sources:
+        for key, (expected, recipe_text) in recipe.items():
+            value = values.get(key)
+            if value is None or str(value).lower() == "auto":
+                continue
+            try:
+                same = float(value) == float(expected)
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                problems.append(
+                    f"DeepSpeed {key}={value} in {where} disagrees with the recipe's {recipe_text}; set it to \"auto\" "
+                    "(or remove it) so the recipe decides"
+                )
+        for key, recipe_keys in (("optimizer", "optim.*"), ("scheduler", "schedule.*")):
+            if key in values:
+                problems.append(
+                    f"{where} has a DeepSpeed \"{key}\" section, which would replace the recipe's {recipe_keys}; "
+                    f"remove the section and set {recipe_keys} in the recipe"
+                )
+        for key, precision in (("bf16", "bf16"), ("fp16", "fp16")):
+            section = values.get(key)
+            enabled = section.get("enabled") if isinstance(section, dict) else None
+            if enabled is None or str(enabled).lower() == "auto":
+                continue
+            if bool(enabled) != (cfg.train.precision == precision):
+                problems.append(
+                    f"DeepSpeed {key}.enabled={str(enabled).lower()} in {where} disagrees with the recipe's "
+                    f"train.precision={cfg.train.precision}; set it to \"auto\" so the recipe decides"
+                )
+    return problems
+
+
+def check_launch(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
+    """One RecipeError listing every way the launcher's settings contradict the recipe; nothing when they agree."""
+    ranks = launched_ranks(env)
+    accumulation_steps(cfg, ranks)  # a rank count that does not divide the global batch: names the numbers
+    problems = []
+    precision = _precision_problem(cfg, env)
+    if precision:
+        problems.append(precision)
+    if uses_deepspeed(env):
+        problems += _deepspeed_problems(cfg, env)
+    if uses_fsdp(env) and _true(env.get("FSDP_ACTIVATION_CHECKPOINTING")) and cfg.train.gradient_checkpointing:
+        problems.append(
+            "the accelerate config sets fsdp_activation_checkpointing and the recipe sets "
+            "train.gradient_checkpointing=true; keep one (FSDP's is the one that works with sharded layers)"
+        )
+    if problems:
+        raise RecipeError("; and ".join(problems))
+
+
+def accelerator_config(cfg: Config) -> dict:
+    """TrainingArguments(accelerator_config=...): with train.sync_each_batch, gradients are reduced after every
+    micro-batch instead of once per window (more communication, but no unsharded gradient held under FSDP)."""
+    return {"gradient_accumulation_kwargs": {"sync_each_batch": cfg.train.sync_each_batch}}
+
+
+def _fsdp_plugin():
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState()
+    return getattr(state, "fsdp_plugin", None) if state.initialized else None
+
+
+def consolidate_final_save() -> None:
+    """Under FSDP, checkpoints during training stay sharded (SHARDED_STATE_DICT: each rank writes its shard, fast,
+    and resume reads them back); the model saved after training is gathered whole, so the output folder holds a
+    plain safetensors model. Trainer.save_model writes no model file at all while the type is SHARDED_STATE_DICT."""
+    plugin = _fsdp_plugin()
+    if plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
+def callbacks() -> list:
+    """Trainer callbacks for the launched strategy (none outside FSDP)."""
+    if not uses_fsdp():
+        return []
+    from transformers import TrainerCallback
+
+    class ConsolidateFinalSave(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            consolidate_final_save()  # after the last checkpoint, before train() saves the model
+
+    return [ConsolidateFinalSave()]
