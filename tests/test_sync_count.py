@@ -1,0 +1,62 @@
+"""DDP on 2 CPU ranks, launched with accelerate_configs/ddp.yaml: gradients are all-reduced exactly once per
+optimizer step under accumulation, and after every micro-batch with train.sync_each_batch; both give the same run.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+STEPS, ACCUMULATION = 2, 3
+# debug recipe, micro-batch 4 on 2 ranks: global 24 → 3 micro-batches per rank per optimizer step
+RECIPE = ["recipe=recipes/debug.yaml", f"train.max_steps={STEPS}", "train.global_batch_size=24", "optim.name=sgd",
+          "optim.lr=0.5"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync") / "counts.pt"
+    cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+           "tests/sync_count_worker.py", str(out), *RECIPE, f"train.output_dir={out.parent / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+def syncing_micro_batches(run) -> list[int]:
+    """The micro-batches (1-based, in training order) whose backward all-reduced gradients."""
+    return sorted(set(run["gradient_syncs"]))
+
+
+def test_ddp_reduces_gradients_once_per_optimizer_step(runs):
+    run = runs["false"]
+    assert (run["world_size"], run["accumulation"], run["steps"]) == (2, ACCUMULATION, STEPS)
+    assert run["micro_batches"] == STEPS * ACCUMULATION
+    # only the last micro-batch of each window communicates: 3 and 6
+    assert syncing_micro_batches(run) == [ACCUMULATION * (s + 1) for s in range(STEPS)]
+    buckets = len(run["gradient_syncs"]) // STEPS
+    assert buckets >= 1 and len(run["gradient_syncs"]) == STEPS * buckets
+
+
+def test_sync_each_batch_reduces_after_every_micro_batch(runs):
+    once, each = runs["false"], runs["true"]
+    assert syncing_micro_batches(each) == list(range(1, STEPS * ACCUMULATION + 1))
+    buckets = len(once["gradient_syncs"]) // STEPS
+    assert len(each["gradient_syncs"]) == STEPS * ACCUMULATION * buckets
+    # same data, same updates: syncing more often changes when gradients are averaged, not what is applied
+    assert each["losses"] == pytest.approx(once["losses"], rel=1e-6)
+    for name, weight in once["weights"].items():
+        torch.testing.assert_close(each["weights"][name], weight, rtol=1e-5, atol=1e-7)
+
+
+def test_label_tokens_are_all_reduced_once_per_window(runs):
+    for run in runs.values():
+        # one integer all-reduce (the window's counts, label tokens first) per optimizer step, before the window's
+        # first backward; no float all-reduce outside DDP's gradient buckets (none inside the loss)
+        assert run["other_all_reduces"] == [(ACCUMULATION * s, "torch.int64") for s in range(STEPS)]
