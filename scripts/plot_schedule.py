@@ -1,0 +1,93 @@
+"""Plot a recipe's learning rate per optimizer step, to see warmup, peak and decay before spending a GPU hour.
+
+    python scripts/plot_schedule.py recipe=recipes/quickstart.yaml schedule.name=onecycle [out=lr.png] [ranks=8]
+
+Any recipe key can be overridden as in training. `out` is the PNG to write (default lr_schedule.png); `ranks` is the
+number of data-parallel ranks the run will use (default: $WORLD_SIZE or 1), which sets the accumulation and, for
+epoch-based runs, the number of steps. The run length is train.max_steps, or else it is counted from the tokenized
+dataset exactly as training counts it (the tokenizer and the data are loaded; the model is not). The curve comes from
+the real scheduler (`finetune.schedules.lr_per_step`) and shows the LR each optimizer step uses, as training logs it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SCRIPT_KEYS = ("out", "ranks")
+
+
+def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
+    from finetune import batching, models
+    from finetune.data import load_sft_dataset
+
+    tokenizer = models.load_tokenizer(cfg.model, models.model_folder(cfg.model))
+    dataset, report = load_sft_dataset(cfg.data, tokenizer)
+    print(f"data: {report.summary()}")
+    return batching.count_optimizer_steps(cfg, batching.prepare(cfg, dataset, tokenizer), ranks, accumulation)
+
+
+def plot(lrs: list[float], title: str, out: str) -> None:
+    import matplotlib
+
+    from finetune.schedules import format_lr
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    steps = range(1, len(lrs) + 1)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, lrs, marker="." if len(lrs) <= 200 else None, linewidth=1.5)
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    ax.axvline(peak + 1, color="grey", linestyle=":", linewidth=1)
+    ax.annotate(f"peak {format_lr(lrs[peak])} at step {peak + 1}", (peak + 1, lrs[peak]), textcoords="offset points",
+                xytext=(6, -12), fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    from finetune.config import RecipeError, accumulation_steps, load_config
+    from finetune.schedules import describe_batch_and_lr, format_lr, lr_per_step, scaled_lr
+
+    options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in SCRIPT_KEYS}
+    recipe_args = [a for a in argv if a.split("=", 1)[0] not in SCRIPT_KEYS]
+    out = options.get("out", "lr_schedule.png")
+    try:
+        ranks_text = options.get("ranks", os.environ.get("WORLD_SIZE", "1"))
+        if not ranks_text.isdigit() or int(ranks_text) < 1:
+            raise RecipeError(f"ranks={ranks_text} must be a positive whole number of data-parallel ranks")
+        ranks = int(ranks_text)
+        os.environ["WORLD_SIZE"] = str(ranks)  # load_config checks the batch arithmetic for this many ranks
+        cfg = load_config(recipe_args)
+        accumulation = accumulation_steps(cfg, ranks)
+        total = cfg.train.max_steps if cfg.train.max_steps > 0 else count_steps_from_data(cfg, ranks, accumulation)
+        by_tokens = bool(cfg.train.global_batch_tokens)
+        global_batch = cfg.train.global_batch_tokens if by_tokens else cfg.train.global_batch_size
+        lr = scaled_lr(cfg.optim.lr, global_batch, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
+        lrs = lr_per_step(total, cfg.schedule, lr)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if by_tokens else cfg.train.micro_batch_size
+    print(
+        describe_batch_and_lr(micro, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling,
+                              cfg.optim.base_batch_size, global_batch, "tokens" if by_tokens else "sequences")
+        + f"; {total} optimizer steps"
+    )
+    recipe = os.path.basename(cfg.recipe) if cfg.recipe else "defaults"
+    title = (f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"
+             f" × accumulation {accumulation}")
+    plot(lrs, title, out)
+    print(f"lr: first {format_lr(lrs[0])}, peak {format_lr(max(lrs))}, last {format_lr(lrs[-1])}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

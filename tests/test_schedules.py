@@ -1,0 +1,241 @@
+"""Schedules against torch's OneCycleLR and independent formulas at every optimizer step, in-process and through
+`finetune/train.py` (with accumulation, and on two CPU ranks); LR scaling; the start-up line; bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.config import RecipeError, ScheduleConfig, load_config
+from finetune.schedules import build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, scaled_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "recipes" / "debug.yaml")
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+
+def reference_lr(step, total, peak, cfg):
+    """The LR of 0-based optimizer `step`, written out from the documented definitions (not from the code)."""
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+    if step < warmup:
+        ramp = (step + 1) / (warmup + 1)
+        return peak * {"linear": ramp, "quadratic": ramp * ramp, "constant": cfg.warmup_factor}[cfg.warmup]
+    if cfg.name == "constant":
+        return peak
+    done = (step - warmup) / (total - warmup)
+    shape = (1 + math.cos(math.pi * done)) / 2 if cfg.name == "warmup_cosine" else 1 - done
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+def torch_onecycle_lrs(total, peak, cfg):
+    """LR used by each step of torch's own OneCycleLR, stepped once per optimizer step."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=peak, total_steps=total, pct_start=cfg.pct_start, anneal_strategy=cfg.anneal,
+        div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
+    lrs = []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def assert_close_all(actual, expected):
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= 1e-12 * max(abs(e), 1e-300), (step, a, e)
+
+
+ONECYCLE = [dict(pct_start=0.1), dict(pct_start=0.3, anneal="linear"), dict(pct_start=0.25, div_factor=10.0,
+                                                                           final_div_factor=100.0)]
+
+
+@pytest.mark.parametrize("kwargs", ONECYCLE)
+@pytest.mark.parametrize("total", [2, 7, 100])
+def test_onecycle_is_torch_onecycle_per_optimizer_step(kwargs, total):
+    cfg = ScheduleConfig(name="onecycle", **kwargs)
+    assert_close_all(lr_per_step(total, cfg, 3e-4), torch_onecycle_lrs(total, 3e-4, cfg))
+
+
+def test_onecycle_scales_every_group_from_its_own_peak_and_keeps_momentum():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [a], "lr": 1e-3}, {"params": [b], "lr": 1e-4}], betas=(0.8, 0.95))
+    cfg = ScheduleConfig(name="onecycle", pct_start=0.3)
+    scheduler = build_scheduler(optimizer, 10, cfg)
+    seen = []
+    for _ in range(10):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        assert all(g["betas"] == (0.8, 0.95) for g in optimizer.param_groups)  # cycle_momentum=False
+        optimizer.step()
+        scheduler.step()
+    assert_close_all([s[0] for s in seen], torch_onecycle_lrs(10, 1e-3, cfg))
+    assert_close_all([s[1] for s in seen], torch_onecycle_lrs(10, 1e-4, cfg))
+
+
+WARMED = [
+    dict(name="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1),
+    dict(name="warmup_cosine", warmup_ratio=0.05, warmup="quadratic"),
+    dict(name="warmup_cosine", warmup_steps=3, warmup="constant", warmup_factor=0.2, min_lr_ratio=0.5),
+    dict(name="linear", warmup_steps=7),
+    dict(name="linear", warmup_ratio=0.2, warmup="quadratic", min_lr_ratio=0.01),
+    dict(name="linear"),
+    dict(name="constant", warmup_steps=5),
+    dict(name="constant", warmup_ratio=0.1, warmup="quadratic"),
+    dict(name="constant"),
+]
+
+
+@pytest.mark.parametrize("kwargs", WARMED, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_warmed_schedules_match_the_formula_at_every_step(kwargs):
+    cfg = ScheduleConfig(**kwargs)
+    total, peak = 97, 2e-4
+    expected = [reference_lr(s, total, peak, cfg) for s in range(total)]
+    assert_close_all(lr_per_step(total, cfg, peak), expected)
+    if cfg.warmup_steps or cfg.warmup_ratio:
+        assert expected[0] < peak and min(expected) > 0  # no step at LR 0
+
+
+def test_scaling_rules_arithmetic():
+    assert scaled_lr(1e-4, 1024, "linear", 256) == pytest.approx(4e-4, rel=1e-15)
+    assert scaled_lr(1e-4, 1024, "sqrt", 256) == pytest.approx(2e-4, rel=1e-15)
+    assert scaled_lr(3e-4, 96, "sqrt", 32) == pytest.approx(3e-4 * math.sqrt(3), rel=1e-15)
+    assert scaled_lr(1e-4, 64, "linear", 256) == pytest.approx(2.5e-5, rel=1e-15)  # smaller batch: smaller LR
+    assert scaled_lr(1e-4, 1024, "none", None) == 1e-4
+    with pytest.raises(RecipeError, match="optim.base_batch_size"):
+        scaled_lr(1e-4, 1024, "linear", None)
+
+
+def test_start_up_line():
+    line = describe_batch_and_lr(8, 16, 8, 1e-4, scaled_lr(1e-4, 1024, "linear", 256), "linear", 256, 1024)
+    assert line == "effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 (linear rule, base 256)"
+    line = describe_batch_and_lr("4096 tokens", 4, 2, 3e-4, scaled_lr(3e-4, 32768, "sqrt", 8192), "sqrt", 8192, 32768,
+                                 "tokens")
+    assert line == ("effective batch 32768 tokens = micro 4096 tokens × accumulation 4 × 2 ranks; lr 3e-4 → 6e-4 "
+                    "(sqrt rule, base 8192 tokens)")
+    assert describe_batch_and_lr(4, 2, 1, 0.05, 0.05, "none", None, 8) == (
+        "effective batch 8 sequences = micro 4 × accumulation 2 × 1 rank; lr 0.05")
+
+
+# ---- through finetune/train.py, as users run it ----
+
+def run(cmd, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def logged(output_dir):
+    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
+    steps = [e for e in state["log_history"] if "loss" in e and "train_loss" not in e]
+    return state, [e["learning_rate"] for e in steps], [e["step"] for e in steps]
+
+
+def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_step(tmp_path):
+    """64 rows, global batch 16 = micro 4 × accumulation 2 × 2 ranks: 4 optimizer steps per epoch, 2 epochs → 8."""
+    out = tmp_path / "two"
+    result = run(
+        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", "0", "finetune/train.py", f"recipe={DEBUG}",
+         "train.max_steps=-1", "train.epochs=2", "train.global_batch_size=16", "schedule.name=onecycle",
+         "schedule.pct_start=0.3", "optim.name=lamb", "optim.lr_scaling=linear", "optim.base_batch_size=8",
+         f"train.output_dir={out}"],
+        env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert ("effective batch 16 sequences = micro 4 × accumulation 2 × 2 ranks; lr 1e-3 → 2e-3 (linear rule, base 8)"
+            "; 8 optimizer steps") in result.stdout
+    state, lrs, steps = logged(out)
+    assert state["global_step"] == 8 and steps == list(range(1, 9))
+    assert_close_all(lrs, torch_onecycle_lrs(8, 2e-3, ScheduleConfig(name="onecycle", pct_start=0.3)))
+
+
+def test_warmup_cosine_with_accumulation_through_the_script(tmp_path):
+    out = tmp_path / "one"
+    cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=2, warmup="quadratic", min_lr_ratio=0.1)
+    result = run(
+        [sys.executable, "finetune/train.py", f"recipe={DEBUG}", "train.max_steps=6", "train.global_batch_size=16",
+         "schedule.name=warmup_cosine", "schedule.warmup_steps=2", "schedule.warmup=quadratic",
+         "schedule.min_lr_ratio=0.1", "optim.name=lars", "optim.lr=0.5", "optim.lr_scaling=sqrt",
+         "optim.base_batch_size=4", f"train.output_dir={out}"],
+    )
+    assert "micro 4 × accumulation 4 × 1 rank; lr 0.5 → 1 (sqrt rule, base 4); 6 optimizer steps" in result.stdout
+    state, lrs, steps = logged(out)
+    assert steps == list(range(1, 7))
+    assert_close_all(lrs, [reference_lr(s, 6, 1.0, cfg) for s in range(6)])
+
+
+# ---- bad input: one clear error naming the key; exit 2 from the CLI ----
+
+BAD = [
+    (["schedule.name=onecycle", "schedule.pct_start=1.5"], "schedule.pct_start=1.5 must be in (0, 1)"),
+    (["schedule.name=onecycle", "schedule.pct_start=0"], "schedule.pct_start=0.0 must be in (0, 1)"),
+    (["optim.name=lamb2"], "optim.name='lamb2' is not one of adamw, sgd, lamb, lars; did you mean 'lamb'?"),
+    (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
+    (["optim.lr_scaling=sqrt"], "optim.lr_scaling=sqrt needs optim.base_batch_size"),
+    (["optim.lr_scaling=linear", "optim.base_batch_size=0"], "needs optim.base_batch_size"),
+    (["optim.lr_scaling=linear", "optim.base_batch_size=-8"], "optim.base_batch_size=-8 must be positive"),
+    (["schedule.name=onecycle", "schedule.warmup_steps=3"], "schedule.warmup_steps does not apply to schedule.name="),
+    (["schedule.warmup_ratio=1.0"], "schedule.warmup_ratio=1.0 must be in [0, 1)"),
+    (["optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[m[:32] for _, m in BAD])
+def test_bad_settings_fail_at_load_naming_the_key(argv, message):
+    with pytest.raises(RecipeError) as error:
+        load_config([f"recipe={DEBUG}", *argv])
+    assert message in str(error.value)
+
+
+def test_warmup_not_below_the_run_length_is_refused():
+    with pytest.raises(RecipeError, match=r"schedule.warmup_steps=10 is not below the run's 10 optimizer steps"):
+        check_schedule(10, ScheduleConfig(name="warmup_cosine", warmup_steps=10))
+    with pytest.raises(RecipeError, match=r"schedule.warmup_ratio=0.95 \(10 steps\) is not below"):
+        check_schedule(10, ScheduleConfig(name="linear", warmup_ratio=0.95))
+    with pytest.raises(RecipeError, match="onecycle needs at least 2 optimizer steps"):
+        check_schedule(1, ScheduleConfig(name="onecycle"))
+    check_schedule(10, ScheduleConfig(name="linear", warmup_steps=9))
+
+
+CLI_BAD = [
+    (["train.max_steps=4", "schedule.name=warmup_cosine", "schedule.warmup_steps=4"],
+     "schedule.warmup_steps=4 is not below the run's 4 optimizer steps"),
+    (["schedule.name=onecycle", "schedule.pct_start=1.0"], "schedule.pct_start=1.0 must be in (0, 1)"),
+    (["optim.name=lion"], "optim.name='lion' is not one of adamw, sgd, lamb, lars"),
+    (["schedule.name=cosine_warmup"], "schedule.name='cosine_warmup' is not one of"),
+    (["optim.lr_scaling=linear"], "optim.lr_scaling=linear needs optim.base_batch_size"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CLI_BAD, ids=[m[:32] for _, m in CLI_BAD])
+def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv, f"train.output_dir={out}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
+    """An epoch-based run: 64 rows / (micro 4 × 2 ranks × accumulation 2) = 4 steps per epoch, 3 epochs."""
+    png = tmp_path / "lr.png"
+    result = run([sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "train.max_steps=-1", "train.epochs=3",
+                  "train.global_batch_size=16", "ranks=2", "schedule.name=warmup_cosine", "schedule.warmup_steps=2",
+                  f"out={png}"])
+    assert "micro 4 × accumulation 2 × 2 ranks; lr 1e-3; 12 optimizer steps" in result.stdout
+    assert "lr: first 3.333e-4, peak 1e-3, last 2.447e-5" in result.stdout  # 1e-3·(0+1)/(2+1); 1e-3·(1+cos 0.9π)/2
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] > 400
+    bad = subprocess.run([sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "schedule.pct_start=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "schedule.pct_start=2.0 must be in (0, 1)" in bad.stderr
