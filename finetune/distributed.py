@@ -55,8 +55,16 @@ def _precision_problem(cfg: Config, env: Mapping[str, str]) -> str | None:
     )
 
 
+def _batch_is_planned(cfg: Config) -> bool:
+    # train.micro_batch_size=auto is chosen when training starts: batch keys can be compared only after that.
+    return cfg.train.micro_batch_size != "auto"
+
+
 def _recipe_batch(cfg: Config, ranks: int) -> dict[str, tuple[float, str]]:
     """DeepSpeed key -> (the value the recipe implies, how the recipe says it)."""
+    clipping = {"gradient_clipping": (cfg.train.max_grad_norm, f"train.max_grad_norm={cfg.train.max_grad_norm}")}
+    if not _batch_is_planned(cfg):
+        return clipping
     accumulation = accumulation_steps(cfg, ranks)
     plural = "s" if ranks != 1 else ""
     if is_budgeted(cfg.data):
@@ -74,7 +82,7 @@ def _recipe_batch(cfg: Config, ranks: int) -> dict[str, tuple[float, str]]:
             f"{accumulation} (from {global_key} over {ranks} rank{plural}, in {unit})",
         ),
         "train_batch_size": (micro * accumulation * ranks, total_text),
-        "gradient_clipping": (cfg.train.max_grad_norm, f"train.max_grad_norm={cfg.train.max_grad_norm}"),
+        **clipping,
     }
 
 
@@ -143,8 +151,8 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
 
 def check_launch(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
     """One RecipeError listing every way the launcher's settings contradict the recipe; nothing when they agree."""
-    ranks = launched_ranks(env)
-    accumulation_steps(cfg, ranks)  # a rank count that does not divide the global batch: names the numbers
+    if _batch_is_planned(cfg):
+        accumulation_steps(cfg, launched_ranks(env))  # a rank count that does not divide the global batch: the numbers
     problems = []
     precision = _precision_problem(cfg, env)
     if precision:

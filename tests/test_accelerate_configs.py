@@ -203,3 +203,15 @@ def test_fsdp_checkpoints_stay_sharded_and_the_final_save_is_consolidated(monkey
     [callback] = distributed.callbacks()
     callback.on_train_end(None, None, None)
     assert str(plugin.state_dict_type).endswith("FULL_STATE_DICT")
+
+
+def test_a_planned_micro_batch_leaves_only_the_batch_keys_unchecked(tmp_path):
+    """train.micro_batch_size=auto is chosen when training starts: batch keys cannot be compared before that."""
+    cfg = load_config(DEBUG)
+    cfg.train.micro_batch_size = "auto"
+    ds = {"train_batch_size": 16, "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, ds),
+           "WORLD_SIZE": "3"}
+    with pytest.raises(RecipeError) as error:
+        check_launch(cfg, env)
+    assert "gradient_clipping=0.5" in str(error.value) and "train_batch_size" not in str(error.value)
