@@ -65,6 +65,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig, lr: float) -> list[dict]:
     return list(groups.values())
 
 
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms, accumulated in float32 at least (bf16/fp16 parameters keep a precise trust ratio)."""
+    dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    return torch._foreach_norm(tensors, 2, dtype=dtype)
+
+
 def _trust_ratio(weight_norms: list[torch.Tensor], other_norms: list[torch.Tensor], numerator_coef: float,
                  decay: float) -> torch.Tensor:
     """coef·‖w‖ / (‖x‖ + decay·‖w‖) per tensor, and 1 where either norm is zero (a zero-initialized weight must move)."""
@@ -138,7 +144,7 @@ class LAMB(_LayerwiseOptimizer):
         if group["weight_decay"]:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
         if group["trust_ratio"]:
-            ratio = _trust_ratio(torch._foreach_norm(params), torch._foreach_norm(update), 1.0, 0.0)
+            ratio = _trust_ratio(_norms(params), _norms(update), 1.0, 0.0)
             torch._foreach_addcmul_(params, update, (ratio * -group["lr"]).unbind())  # w += (−lr·ratio)·u, one pass
         else:
             torch._foreach_add_(params, update, alpha=-group["lr"])
@@ -171,7 +177,7 @@ class LARS(_LayerwiseOptimizer):
             if decay:
                 torch._foreach_add_(buffers, params, alpha=lr * decay)
         else:
-            local_lr = _trust_ratio(torch._foreach_norm(params), torch._foreach_norm(grads),
+            local_lr = _trust_ratio(_norms(params), _norms(grads),
                                     group["trust_coefficient"], decay)
             torch._foreach_addcmul_(buffers, grads, (local_lr * lr).unbind())
             if decay:
