@@ -15,6 +15,7 @@ and steps once. This class changes only what is normalized by what, at the Train
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,8 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging
 
-from finetune.loss import count_label_tokens, kept_token_loss_sum, predicting_positions, token_loss_sum
+from finetune.loss import head_token_loss_sum, kept_token_loss_sum, predicting_positions, token_loss_sum
+from finetune.meter import WindowMeter, window_counts
 
 logger = logging.get_logger(__name__)
 
@@ -39,6 +41,32 @@ def logits_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(outputs, (tuple, list)):
         return next((o for o in outputs if isinstance(o, torch.Tensor) and o.dim() == 3), None)
     return None
+
+
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's LM head if the chunked loss can use its weight directly: a plain nn.Linear whose parameters are
+    ordinary tensors (not FSDP2 DTensors or ZeRO-3 partitions, which exist whole only inside the module's forward)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    params = [p for p in (head.weight, head.bias) if p is not None]
+    if any(type(p.data) is not torch.Tensor or hasattr(p, "ds_id") for p in params):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def head_passes_hidden_states(head: torch.nn.Module | None):
+    """While active, the LM head returns its input: the model returns hidden states where it would return logits."""
+    if head is None:
+        yield
+        return
+    head.forward = lambda hidden_states: hidden_states  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 class TokenNormTrainer(Trainer):
@@ -64,11 +92,14 @@ class TokenNormTrainer(Trainer):
         # Logits only where a target is: prompt and padding positions never reach the LM head (most of the FLOPs and
         # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
         self._keeps_logits = "logits_to_keep" in forward
+        # With kept positions, the LM head and cross-entropy run chunk by chunk on hidden states ([N, vocab] logits
+        # never exist whole) once a first forward has shown that the model returns the head's output unchanged
+        # (no soft-capping or scaling after it). None: not probed yet; False: use the model's logits.
+        self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
         self._falls_back = False  # the model returned no [B, T, V] logits: behave exactly as Trainer
         self._trainer_num_items = None  # Trainer's own count, used only when falling back
         self._window_label_tokens: int | None = None
-        self._label_tokens_since_log = 0
-        self._windows_since_log = 0
+        self._meter = WindowMeter()
 
     # ---- window: count targets over all data-parallel ranks ----
 
@@ -76,19 +107,26 @@ class TokenNormTrainer(Trainer):
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
         return self.accelerator.num_processes // self.get_tp_size()
 
+    def get_train_dataloader(self):
+        dataloader = super().get_train_dataloader()
+        # A prefetched window holds K micro-batches: keep them on the host (pinned on a GPU machine) until their turn;
+        # training_step moves each one to the device as it runs.
+        if getattr(dataloader, "device", None) is not None:
+            dataloader.device = None
+        return dataloader
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, self._trainer_num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self._falls_back or not batch_samples or "labels" not in batch_samples[0]:
             self._window_label_tokens = None
             return batch_samples, self._trainer_num_items
-        rank_label_tokens = sum(count_label_tokens(batch["labels"]) for batch in batch_samples)
-        window_label_tokens = torch.as_tensor(rank_label_tokens, dtype=torch.int64, device=device)
+        # One all-reduce per window for every count (label tokens first); tensor-parallel ranks hold replicas.
+        counts = torch.tensor(window_counts(batch_samples), dtype=torch.int64, device=device)
         if self.accelerator.num_processes > 1:
-            window_label_tokens = self.accelerator.reduce(window_label_tokens, reduction="sum")
-            window_label_tokens = window_label_tokens // self.get_tp_size()
+            counts = self.accelerator.reduce(counts, reduction="sum") // self.get_tp_size()
+        self._meter.add(counts.tolist())
+        window_label_tokens = counts[0]
         self._window_label_tokens = int(window_label_tokens)
-        self._label_tokens_since_log += self._window_label_tokens
-        self._windows_since_log += 1
         if self._window_label_tokens == 0:
             logger.warning(
                 f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on any "
@@ -104,9 +142,14 @@ class TokenNormTrainer(Trainer):
         labels = inputs["labels"]
         forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
         keep = {"logits_to_keep": predicting_positions(labels)} if self._keeps_logits else {}
-        outputs = model(**forward_inputs, **self._no_cache, **keep)
+        chunked = keep and torch.is_grad_enabled() and not return_outputs
+        head = self._chunked_head if chunked and self._chunked_head else None
+        with head_passes_hidden_states(head):
+            outputs = self._forward(model, {**forward_inputs, **self._no_cache, **keep}, probe=chunked)
         logits = logits_of(outputs)
-        if keep and logits is not None and logits.dim() == 2:
+        if head is not None:
+            loss_sum, label_tokens = head_token_loss_sum(logits, head.weight, head.bias, labels)
+        elif keep and logits is not None and logits.dim() == 2:
             loss_sum, label_tokens = kept_token_loss_sum(logits, labels)
         elif logits is not None and logits.dim() == 3 and logits.shape[:2] == labels.shape:
             loss_sum, label_tokens = token_loss_sum(logits, labels)
@@ -119,6 +162,23 @@ class TokenNormTrainer(Trainer):
             window_label_tokens = torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
             loss = loss_sum / window_label_tokens * self._data_parallel_size()
         return (loss, outputs) if return_outputs else loss
+
+    def _forward(self, model, inputs: dict, probe: bool):
+        """model(**inputs); the first training forward also checks whether the chunked head can be used."""
+        if not probe or self._chunked_head is not None:
+            return model(**inputs)
+        head = plain_head(self.accelerator.unwrap_model(model))
+        if head is None:
+            self._chunked_head = False
+            return model(**inputs)
+        seen = []
+        handle = head.register_forward_hook(lambda module, args, output: seen.append(output))
+        try:
+            outputs = model(**inputs)
+        finally:
+            handle.remove()
+        self._chunked_head = head if len(seen) == 1 and logits_of(outputs) is seen[0] else False
+        return outputs
 
     def _fall_back(self, model, inputs, return_outputs, logits):
         shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
@@ -151,11 +211,10 @@ class TokenNormTrainer(Trainer):
     # ---- logging ----
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._windows_since_log:
-            # One window per logged step at log.every_steps=1; otherwise the mean over the logged windows.
-            logs["window_label_tokens"] = self._label_tokens_since_log / self._windows_since_log
-            self._label_tokens_since_log = 0
-            self._windows_since_log = 0
+        if "loss" in logs and "grad_norm" in logs:  # an optimizer-step line, not the end-of-training summary
+            logs.update(self._meter.drain())
+            if self.args.max_grad_norm > 0 and logs["grad_norm"] is not None:
+                logs["clip_factor"] = min(1.0, self.args.max_grad_norm / (logs["grad_norm"] + 1e-6))
         super().log(logs, start_time)
 
 

@@ -25,6 +25,9 @@ def main(out: str, micro: int, accumulation: int, rows: int, seed: int) -> None:
             {"snapshots": snapshots.snapshots, "log_history": trainer.state.log_history, "rank_label_tokens": gathered},
             out,
         )
+    # Leave together: a rank that exits while its peer is still in a gloo collective can abort the peer.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, Trainin
 VOCAB = 61
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="sdpa",
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie, attn_implementation="sdpa",
         pad_token_id=0,
     )
     return LlamaForCausalLM(config)

@@ -1,0 +1,119 @@
+"""What a window of micro-batches holds and how fast it went: tokens, sequences, throughput, padding, MFU, memory.
+
+Counts are taken per rank when a window is prefetched and summed over the data-parallel ranks in the same
+all-reduce as the label-token count, so every figure is global (the whole job), not one rank's.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Mapping
+
+import torch
+
+from finetune.loss import count_label_tokens
+
+# Fields of the per-window count vector, in order.
+COUNTS = ("label_tokens", "real_tokens", "computed_tokens", "sequences")
+
+# Dense peak TFLOP/s per GPU (bf16/fp16 tensor cores, fp32 without TF32), by a substring of the device name.
+PEAK_TFLOPS = {
+    "H200": (989.0, 67.0), "H100": (989.0, 67.0), "GH200": (989.0, 67.0), "A100": (312.0, 19.5),
+    "L40S": (362.0, 91.6), "L40": (181.0, 90.5), "L4": (121.0, 30.3), "A10G": (70.0, 31.2), "A10": (125.0, 31.2),
+    "RTX 4090": (165.0, 82.6), "RTX 3090": (71.0, 35.6), "V100": (125.0, 15.7), "T4": (65.0, 8.1),
+    "B200": (2250.0, 80.0),
+}
+
+
+def batch_counts(batch: Mapping) -> list[int]:
+    """[label tokens, real tokens, computed tokens, sequences] of one collated micro-batch."""
+    input_ids = batch["input_ids"]
+    computed = input_ids.numel()
+    mask = batch.get("attention_mask")
+    real = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else computed
+    positions = batch.get("position_ids")
+    packed = mask is None and isinstance(positions, torch.Tensor)
+    sequences = int((positions == 0).sum()) if packed else input_ids.shape[0]
+    labels = batch.get("labels")
+    label_tokens = int(count_label_tokens(labels)) if labels is not None else 0
+    return [label_tokens, real, computed, sequences]
+
+
+def window_counts(batches: list[Mapping]) -> list[int]:
+    totals = [0] * len(COUNTS)
+    for batch in batches:
+        totals = [a + b for a, b in zip(totals, batch_counts(batch))]
+    return totals
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, else the resident set size (RSS) high-water mark."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Weights of every nn.Linear (the LM head included, embeddings and norms not): what a token multiplies by."""
+    return sum(
+        getattr(m.weight, "ds_numel", m.weight.numel())  # ZeRO-3 partitions weights; ds_numel is the full size
+        for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+
+
+def flops_per_token(model: torch.nn.Module, sequence_length: float) -> float:
+    """Training FLOPs per token, forward + backward: 6 × matmul parameters + 12 × layers × hidden × context for
+    attention (PaLM, Chowdhery et al. 2022, appendix B); layers and hidden from the (text) config."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    hidden = getattr(text, "hidden_size", 0) or 0
+    return 6.0 * matmul_parameters(model) + 12.0 * layers * hidden * sequence_length
+
+
+def peak_flops(precision: str, override_tflops: float | None = None) -> float | None:
+    """The device's dense peak FLOP/s for the precision, from `override_tflops` or the table; None if unknown."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_TFLOPS[key][0 if precision in ("bf16", "fp16") else 1] * 1e12
+    return None
+
+
+class WindowMeter:
+    """Sums window counts between two log lines and turns them into rates."""
+
+    def __init__(self):
+        self.windows = 0
+        self.totals = [0] * len(COUNTS)
+        self.since = time.perf_counter()
+
+    def add(self, counts: list[int]) -> None:
+        self.windows += 1
+        self.totals = [a + b for a, b in zip(self.totals, counts)]
+
+    def drain(self) -> dict[str, float]:
+        """The logged figures since the previous drain; resets."""
+        now = time.perf_counter()
+        elapsed = max(now - self.since, 1e-9)
+        label, real, computed, sequences = self.totals
+        logs = {}
+        if self.windows:
+            logs = {
+                "window_label_tokens": label / self.windows,  # one window per logged step at log.every_steps=1
+                "real_tokens_per_s": real / elapsed,
+                "computed_tokens_per_s": computed / elapsed,
+                "samples_per_s": sequences / elapsed,
+                "padding_efficiency": real / computed if computed else 1.0,
+                "mean_sequence_tokens": real / sequences if sequences else 0.0,
+                "peak_mem_mb": peak_memory_mb(),
+            }
+        self.windows, self.totals, self.since = 0, [0] * len(COUNTS), now
+        return logs
