@@ -73,6 +73,7 @@ class TrainConfig:
     save_total_limit: Optional[int] = None
     resume_from: Optional[str] = None  # auto | PATH
     gradient_checkpointing: bool = False
+    profile_steps: list[int] = field(default_factory=list)  # [first, last] optimizer steps under torch.profiler
     sync_each_batch: bool = False  # reduce gradients after every micro-batch: less memory under FSDP, more traffic
 
 
@@ -106,10 +107,13 @@ class ScheduleConfig:
 
 @dataclass
 class LogConfig:
-    wandb_mode: str = "offline"  # offline | online | disabled
+    # auto: online when a W&B API key is found (WANDB_API_KEY or ~/.netrc), else offline (runs land in
+    # train.output_dir/wandb; `wandb sync` uploads them later) | offline | online | disabled
+    wandb_mode: str = "auto"
     wandb_project: str = "finetune"
     run_name: Optional[str] = None
     every_steps: int = 1
+    peak_tflops: Optional[float] = None  # the device's peak TFLOP/s for MFU; default: a table of common GPUs
 
 
 @dataclass
@@ -138,7 +142,7 @@ CHOICES = {
     "schedule.name": ("onecycle", "warmup_cosine", "linear", "constant"),
     "schedule.warmup": ("linear", "quadratic", "constant"),
     "schedule.anneal": ("cos", "linear"),
-    "log.wandb_mode": ("offline", "online", "disabled"),
+    "log.wandb_mode": ("auto", "offline", "online", "disabled"),
 }
 
 
@@ -304,6 +308,11 @@ def check_config(config: Config) -> None:
         raise RecipeError(f"optim.lr={config.optim.lr} must be positive")
     if config.train.max_steps < 1 and config.train.epochs <= 0:
         raise RecipeError("set train.max_steps to a positive number of optimizer steps or train.epochs above 0")
+    profile = config.train.profile_steps
+    if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
+        raise RecipeError(f"train.profile_steps={list(profile)} must be [first, last] optimizer steps, 1 ≤ first ≤ last")
+    if config.log.peak_tflops is not None and config.log.peak_tflops <= 0:
+        raise RecipeError(f"log.peak_tflops={config.log.peak_tflops} must be positive (the device's peak TFLOP/s)")
     if config.train.max_grad_norm < 0:
         raise RecipeError(f"train.max_grad_norm={config.train.max_grad_norm} must be ≥ 0 (0 turns clipping off)")
     if config.data.batching == "token_budget" and not config.data.max_tokens_per_micro_batch:

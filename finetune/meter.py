@@ -64,14 +64,16 @@ def matmul_parameters(model: torch.nn.Module) -> int:
     )
 
 
-def flops_per_token(model: torch.nn.Module, sequence_length: float) -> float:
+def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_params: int | None = None) -> float:
     """Training FLOPs per token, forward + backward: 6 × matmul parameters + 12 × layers × hidden × context for
     attention (PaLM, Chowdhery et al. 2022, appendix B); layers and hidden from the (text) config."""
     config = getattr(model, "config", None)
     text = getattr(config, "text_config", None) or config
     layers = getattr(text, "num_hidden_layers", 0) or 0
     hidden = getattr(text, "hidden_size", 0) or 0
-    return 6.0 * matmul_parameters(model) + 12.0 * layers * hidden * sequence_length
+    if matmul_params is None:
+        matmul_params = matmul_parameters(model)
+    return 6.0 * matmul_params + 12.0 * layers * hidden * sequence_length
 
 
 def peak_flops(precision: str, override_tflops: float | None = None) -> float | None:
@@ -93,11 +95,14 @@ class WindowMeter:
     def __init__(self):
         self.windows = 0
         self.totals = [0] * len(COUNTS)
+        self.run_totals = dict.fromkeys(COUNTS, 0)  # since this process started training: the end-of-run table
         self.since = time.perf_counter()
 
     def add(self, counts: list[int]) -> None:
         self.windows += 1
         self.totals = [a + b for a, b in zip(self.totals, counts)]
+        for key, count in zip(COUNTS, counts):
+            self.run_totals[key] += count
 
     def drain(self) -> dict[str, float]:
         """The logged figures since the previous drain; resets."""

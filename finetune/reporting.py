@@ -1,12 +1,17 @@
-"""What a run shows: W&B set-up, start-up lines, a step-count check and the end-of-run summary."""
+"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar, end-of-run table),
+a step-count check and the profiler."""
 
 from __future__ import annotations
 
 import glob
+import netrc
 import os
 
 import torch
+from omegaconf import OmegaConf
 from transformers import TrainerCallback
+from transformers.integrations import WandbCallback
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from finetune.config import Config, RecipeError
@@ -32,12 +37,28 @@ def run_name(cfg: Config) -> str:
     return f"{recipe}-gb{cfg.train.global_batch_size}-lr{cfg.optim.lr:g}"
 
 
+def has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(cfg: Config) -> str:
+    """log.wandb_mode, with auto resolved: online when an API key is found, else offline."""
+    if cfg.log.wandb_mode != "auto":
+        return cfg.log.wandb_mode
+    return "online" if has_wandb_key() else "offline"
+
+
 def configure_wandb(cfg: Config) -> None:
     """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`."""
-    if cfg.log.wandb_mode == "disabled":
-        os.environ["WANDB_MODE"] = "disabled"
+    mode = wandb_mode(cfg)
+    os.environ["WANDB_MODE"] = mode
+    if mode == "disabled":
         return
-    os.environ["WANDB_MODE"] = cfg.log.wandb_mode
     os.environ["WANDB_PROJECT"] = cfg.log.wandb_project
     os.environ.setdefault("WANDB_DIR", os.path.abspath(cfg.train.output_dir))
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -74,16 +95,116 @@ class StepCountCheck(TrainerCallback):
             )
 
 
-def print_summary(cfg: Config, trainer) -> None:
-    history = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    final = f"{history[-1]['loss']:.4f}" if history else "n/a"
-    lines = [
-        f"done: {trainer.state.global_step} optimizer steps, final loss {final}",
-        f"model: {os.path.abspath(cfg.train.output_dir)}  (AutoModelForCausalLM.from_pretrained on this folder)",
+STEP_FIELDS = [  # (log key, label, format) of the one console line per logged optimizer step
+    ("loss", "loss", "{:.4f}"), ("learning_rate", "lr", "{:.3g}"), ("grad_norm", "grad_norm", "{:.3g}"),
+    ("window_label_tokens", "targets", "{:.0f}"), ("real_tokens_per_s", "tok/s", "{:.0f}"),
+    ("padding_efficiency", "real", "{:.0%}"), ("mfu", "mfu", "{:.1%}"), ("peak_mem_mb", "mem", "{:.0f} MB"),
+]
+
+
+def step_line(logs: dict, step: int, max_steps: int) -> str:
+    fields = [f"{label} {fmt.format(logs[key])}" for key, label, fmt in STEP_FIELDS if logs.get(key) is not None]
+    return f"step {step}/{max_steps}  " + "  ".join(fields)
+
+
+class StepProgress(ProgressCallback):
+    """The Trainer's progress bar (ETA included) with tokens/s on it, and one readable line per logged step."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        if "loss" in logs and "grad_norm" in logs:
+            self.training_bar.write(step_line(logs, state.global_step, state.max_steps))
+            if logs.get("real_tokens_per_s") is not None:
+                self.training_bar.set_postfix_str(f"{logs['real_tokens_per_s']:.0f} tok/s")
+
+
+class RecipeWandbCallback(WandbCallback):
+    """W&B on rank 0: the whole resolved recipe as the run config, and the end-of-run table as the run summary."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.recipe = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+    def setup(self, args, state, model, **kwargs):
+        super().setup(args, state, model, **kwargs)
+        if state.is_world_process_zero and self._wandb is not None and self._wandb.run is not None:
+            self._wandb.config.update({"recipe": self.recipe}, allow_val_change=True)
+
+    def finish(self, summary: dict) -> None:
+        if self._wandb is not None and self._wandb.run is not None:
+            self._wandb.run.summary.update(summary)
+            self._wandb.finish()
+
+
+class ProfileSteps(TrainerCallback):
+    """torch.profiler over optimizer steps [first, last]: a table and a Chrome trace in the output directory."""
+
+    def __init__(self, first: int, last: int, output_dir: str):
+        self.first, self.last, self.output_dir = first, last, output_dir
+        self.profiler = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.profiler is None and state.global_step + 1 == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None or state.global_step != self.last:
+            return
+        self.profiler.__exit__(None, None, None)
+        if state.is_world_process_zero:
+            os.makedirs(self.output_dir, exist_ok=True)
+            stem = os.path.join(self.output_dir, f"profile_steps_{self.first}-{self.last}")
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            with open(stem + ".txt", "w") as f:
+                f.write(self.profiler.key_averages().table(sort_by=sort, row_limit=40))
+            self.profiler.export_chrome_trace(stem + ".trace.json")
+            main_print(f"profile of steps {self.first}-{self.last}: {stem}.txt and {stem}.trace.json (chrome://tracing)")
+        self.profiler = None
+
+
+def callbacks(cfg: Config) -> list[TrainerCallback]:
+    """What a recipe run adds to the Trainer's callbacks (StepProgress replaces the Trainer's own progress bar)."""
+    added: list[TrainerCallback] = [StepProgress()]
+    if wandb_mode(cfg) != "disabled":
+        added.append(RecipeWandbCallback(cfg))
+    if cfg.train.profile_steps:
+        added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
+    return added
+
+
+def summary(cfg: Config, trainer) -> dict:
+    """The end-of-run figures: steps, tokens, wall time, tokens/s, final loss, peak memory."""
+    steps = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+    runtime = next((e["train_runtime"] for e in reversed(trainer.state.log_history) if "train_runtime" in e), None)
+    totals = trainer._meter.run_totals
+    return {
+        "optimizer_steps": trainer.state.global_step,
+        "real_tokens": totals["real_tokens"],
+        "label_tokens": totals["label_tokens"],
+        "wall_time_s": runtime,
+        "real_tokens_per_s": totals["real_tokens"] / runtime if runtime else None,
+        "final_loss": steps[-1]["loss"] if steps else None,
+        "peak_mem_mb": max((e.get("peak_mem_mb", 0.0) for e in steps), default=None),
+    }
+
+
+def print_summary(cfg: Config, trainer, figures: dict) -> None:
+    rows = [
+        ("optimizer steps", f"{figures['optimizer_steps']}"),
+        ("real tokens", f"{figures['real_tokens']:,} ({figures['label_tokens']:,} targets)"),
+        ("wall time", f"{figures['wall_time_s']:.1f} s" if figures["wall_time_s"] else "n/a"),
+        ("tokens/s", f"{figures['real_tokens_per_s']:.0f}" if figures["real_tokens_per_s"] else "n/a"),
+        ("final loss", f"{figures['final_loss']:.4f}" if figures["final_loss"] is not None else "n/a"),
+        ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
+        ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
     ]
-    run = wandb_run_dir(cfg)
-    if run and cfg.log.wandb_mode == "offline":
-        lines.append(f"W&B offline run: {run}  (upload later: wandb sync {run})")
-    elif run:
-        lines.append(f"W&B run: {run}")
-    print("\n".join(lines), flush=True)
+    run, mode = wandb_run_dir(cfg), wandb_mode(cfg)
+    if run:
+        rows.append(("W&B run", f"{run}" + (f"  (upload later: wandb sync {run})" if mode == "offline" else "")))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(["done:"] + [f"  {name:<{width}}  {value}" for name, value in rows]), flush=True)

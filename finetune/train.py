@@ -31,7 +31,7 @@ def build(cfg: Config, callbacks: tuple = ()):
 
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before anything heavy
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
-    from transformers import TrainingArguments, set_seed
+    from transformers import PrinterCallback, TrainingArguments, set_seed
 
     from finetune import batching, models, reporting, schedules
     from finetune.data import load_sft_dataset
@@ -81,12 +81,13 @@ def build(cfg: Config, callbacks: tuple = ()):
         fp16=cfg.train.precision == "fp16",
         seed=cfg.train.seed,
         logging_steps=cfg.log.every_steps,
-        report_to=["wandb"] if cfg.log.wandb_mode != "disabled" else [],
+        report_to=[],  # W&B through reporting.RecipeWandbCallback (the recipe as run config)
+        disable_tqdm=True,  # reporting.StepProgress draws the bar and one line per step
         run_name=reporting.run_name(cfg),
         save_strategy="steps" if cfg.train.save_steps > 0 else "no",
         save_steps=max(cfg.train.save_steps, 1),
         save_total_limit=cfg.train.save_total_limit,
-        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        activation_checkpointing=cfg.train.gradient_checkpointing,
         train_sampling_strategy="group_by_length" if batches.group_by_length else "random",
         remove_unused_columns=False,
         dataloader_num_workers=cfg.data.num_workers,
@@ -94,17 +95,21 @@ def build(cfg: Config, callbacks: tuple = ()):
         accelerator_config=distributed.accelerator_config(cfg),
         use_cpu=not reporting.has_accelerator(),
     )
-    return RecipeTrainer(
+    trainer = RecipeTrainer(
         model=model,
         args=args,
         train_dataset=batches.dataset,
         data_collator=batches.collator,
         processing_class=tokenizer,
-        callbacks=[reporting.StepCountCheck(total_steps), *distributed.callbacks(), *callbacks],
+        callbacks=[reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg), *callbacks],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
         peak_lr=lr,
     )
+    trainer.remove_callback(PrinterCallback)  # the dict-per-step printer of disable_tqdm; StepProgress prints instead
+    if cfg.log.peak_tflops:
+        trainer.peak_flops = cfg.log.peak_tflops * 1e12
+    return trainer
 
 
 def train(cfg: Config) -> int:
@@ -119,7 +124,12 @@ def train(cfg: Config) -> int:
     if trainer.is_world_process_zero():
         with open(os.path.join(cfg.train.output_dir, "recipe.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-        reporting.print_summary(cfg, trainer)
+    figures = reporting.summary(cfg, trainer)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, reporting.RecipeWandbCallback):
+            callback.finish(figures)
+    if trainer.is_world_process_zero():
+        reporting.print_summary(cfg, trainer, figures)
     return 0
 
 

@@ -25,7 +25,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from finetune.loss import head_token_loss_sum, kept_token_loss_sum, predicting_positions, token_loss_sum
-from finetune.meter import WindowMeter, window_counts
+from finetune.meter import WindowMeter, flops_per_token, matmul_parameters, peak_flops, window_counts
 
 logger = logging.get_logger(__name__)
 
@@ -100,6 +100,9 @@ class TokenNormTrainer(Trainer):
         self._trainer_num_items = None  # Trainer's own count, used only when falling back
         self._window_label_tokens: int | None = None
         self._meter = WindowMeter()
+        # MFU is logged where the device's peak is known (a table of GPUs); set trainer.peak_flops to override.
+        self.peak_flops = peak_flops("bf16" if self.args.bf16 or self.args.fp16 else "fp32")
+        self._matmul_params: int | None = None
 
     # ---- window: count targets over all data-parallel ranks ----
 
@@ -213,6 +216,14 @@ class TokenNormTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:  # an optimizer-step line, not the end-of-training summary
             logs.update(self._meter.drain())
+            if self.peak_flops and logs.get("real_tokens_per_s"):
+                # model FLOPs of the real tokens only: padding and skipped prompt logits count as waste
+                model = self.accelerator.unwrap_model(self.model)
+                if self._matmul_params is None:
+                    self._matmul_params = matmul_parameters(model)
+                per_token = flops_per_token(model, logs["mean_sequence_tokens"], self._matmul_params)
+                job_peak = self.peak_flops * self.accelerator.num_processes  # the token rate is the whole job's
+                logs["mfu"] = logs["real_tokens_per_s"] * per_token / job_peak
             if self.args.max_grad_norm > 0 and logs["grad_norm"] is not None:
                 logs["clip_factor"] = min(1.0, self.args.max_grad_norm / (logs["grad_norm"] + 1e-6))
         super().log(logs, start_time)

@@ -1,0 +1,105 @@
+"""What a run shows: the offline W&B run read back, per-step throughput figures, MFU, the profiler, the summary."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from finetune.meter import batch_counts, flops_per_token, matmul_parameters
+from tests.toy import ragged_rows, tiny_llama
+from tests.wandb_reader import read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_KEYS = ["loss", "learning_rate", "grad_norm", "clip_factor", "window_label_tokens", "real_tokens_per_s",
+             "computed_tokens_per_s", "samples_per_s", "padding_efficiency", "peak_mem_mb", "mfu"]
+
+
+def run_debug(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", f"train.output_dir={out}", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path):
+    out = tmp_path / "run"
+    # a peak of 1 TFLOP/s makes the MFU series exist on a CPU
+    result = run_debug(out, "log.wandb_mode=offline", "log.peak_tflops=1.0", "log.run_name=debug-wandb")
+    state = json.loads((out / "trainer_state.json").read_text())
+    steps = [e for e in state["log_history"] if "grad_norm" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+
+    run_files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, "one offline run per job, under train.output_dir"
+    history, config, summary = read_run(run_files[0])
+    rows = [h for h in history if "train/loss" in h]
+    assert [r["train/global_step"] for r in rows] == [1, 2, 3, 4]
+    for row, entry in zip(rows, steps):
+        for key in STEP_KEYS:
+            assert row[f"train/{key}"] == pytest.approx(entry[key], rel=1e-9), key
+        assert 0 < row["train/padding_efficiency"] <= 1 and 0 < row["train/clip_factor"] <= 1
+        assert row["train/real_tokens_per_s"] <= row["train/computed_tokens_per_s"]
+    # the exact per-step token counts: every target of the run, summed over its windows
+    assert sum(e["window_label_tokens"] for e in steps) == summary["label_tokens"]
+    assert config["_run_name"] == "debug-wandb"
+    assert config["recipe"]["model"]["config_overrides"]["hidden_size"] == 64
+    assert config["recipe"]["train"]["global_batch_size"] == 8 and config["recipe"]["recipe"] == "recipes/debug.yaml"
+    assert summary["final_loss"] == pytest.approx(steps[-1]["loss"]) and summary["optimizer_steps"] == 4
+    assert f"wandb sync {run_files[0].parent}" in result.stdout
+    # the console: one line per step and the end-of-run table
+    assert "step 4/4  loss " in result.stderr + result.stdout
+    for row in ("optimizer steps", "real tokens", "wall time", "tokens/s", "final loss", "peak memory", "model"):
+        assert f"  {row} " in result.stdout
+
+
+def test_mfu_is_real_tokens_times_model_flops_over_peak(tmp_path):
+    out = tmp_path / "mfu"
+    run_debug(out, "log.peak_tflops=0.5", "train.max_steps=2")
+    steps = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "grad_norm" in e]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for entry in steps:
+        expected = entry["real_tokens_per_s"] * flops_per_token(model, entry["mean_sequence_tokens"]) / 0.5e12
+        assert entry["mfu"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_flops_per_token_counts_every_matmul_weight():
+    model = tiny_llama(tie=True)
+    c = model.config
+    per_layer = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * (c.hidden_size // 2)  # q, o; k, v (2 kv heads)
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    expected_params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size  # + the (tied) head
+    assert matmul_parameters(model) == expected_params
+    assert flops_per_token(model, 100) == 6 * expected_params + 12 * c.num_hidden_layers * c.hidden_size * 100
+
+
+def test_batch_counts_for_padded_and_packed_batches():
+    rows = ragged_rows(5, seed=3)
+    packed = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)([dict(r) for r in rows])
+    total = sum(len(r["input_ids"]) for r in rows)
+    targets = sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)
+    assert batch_counts(packed) == [targets, total, total, 5]
+    width = max(len(r["input_ids"]) for r in rows)
+    padded = {
+        "input_ids": torch.zeros(5, width, dtype=torch.long),
+        "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows]),
+        "labels": torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in rows]),
+    }
+    assert batch_counts(padded) == [targets, total, 5 * width, 5]
+
+
+def test_profile_steps_write_a_table_and_a_trace(tmp_path):
+    out = tmp_path / "prof"
+    result = run_debug(out, "train.profile_steps=[2,3]")
+    table = (out / "profile_steps_2-3.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
+    trace = json.loads((out / "profile_steps_2-3.trace.json").read_text())
+    assert trace["traceEvents"]
+    assert "profile of steps 2-3" in result.stdout
