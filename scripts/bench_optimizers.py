@@ -1,12 +1,14 @@
 """Step time of LAMB and LARS against torch AdamW (foreach) on a ~100M-parameter transformer-shaped model, on CPU.
 
-    OMP_NUM_THREADS=2 python scripts/bench_optimizers.py [--layers 11] [--rounds 5] [--steps 3] [--threads 2]
+    OMP_NUM_THREADS=1 python scripts/bench_optimizers.py [--layers 11] [--rounds 15] [--steps 1] [--threads 1]
 
 Only `optimizer.step()` is timed (gradients are fixed random tensors, shared by all three), with the recipe's
 parameter groups (biases, norms and the embedding: no decay, no trust ratio). The optimizers are timed interleaved,
 round by round, so a noisy shared machine slows them alike; each round gives a ratio to AdamW and the report is the
 median over rounds, of wall-clock time and of this process's CPU time (the steadier of the two when other processes
-compete for the cores). Target: LAMB and LARS ≤ 1.5× AdamW.
+compete for the cores). One thread by default: on a shared, oversubscribed machine two threads per process made
+every step 5–10× slower and the ratios swing from 0.3 to 3.6; raise --threads on a dedicated machine.
+Target: LAMB and LARS ≤ 1.5× AdamW.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def seconds_per_step(optimizer: torch.optim.Optimizer, steps: int) -> tuple[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=11)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per optimizer per round")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per optimizer per round")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
