@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from finetune.config import RecipeError, ScheduleConfig
+from finetune.config import Config, RecipeError, ScheduleConfig
 
 
 def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -> float:
@@ -131,3 +131,24 @@ def describe_batch_and_lr(
         base_text = f"{base}" if unit == "sequences" else f"{base} {unit}"
         line += f" → {format_lr(scaled)} ({rule} rule, base {base_text})"
     return line
+
+
+def global_batch_of(cfg: Config) -> tuple[int, str]:
+    """The global batch the LR scales with, and its unit: tokens under train.global_batch_tokens, else sequences."""
+    if cfg.train.global_batch_tokens:
+        return cfg.train.global_batch_tokens, "tokens"
+    return cfg.train.global_batch_size, "sequences"
+
+
+def peak_lr(cfg: Config) -> float:
+    """optim.lr scaled by optim.lr_scaling from optim.base_batch_size to the run's global batch."""
+    return scaled_lr(cfg.optim.lr, global_batch_of(cfg)[0], cfg.optim.lr_scaling, cfg.optim.base_batch_size)
+
+
+def startup_line(cfg: Config, ranks: int, accumulation: int, total_steps: int) -> str:
+    """`describe_batch_and_lr` for a recipe, with the run's optimizer steps."""
+    global_batch, unit = global_batch_of(cfg)
+    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if unit == "tokens" else cfg.train.micro_batch_size
+    line = describe_batch_and_lr(micro, accumulation, ranks, cfg.optim.lr, peak_lr(cfg), cfg.optim.lr_scaling,
+                                 cfg.optim.base_batch_size, global_batch, unit)
+    return f"{line}; {total_steps} optimizer steps"

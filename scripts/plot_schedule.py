@@ -54,7 +54,7 @@ def plot(lrs: list[float], title: str, out: str) -> None:
 
 def main(argv: list[str]) -> int:
     from finetune.config import RecipeError, accumulation_steps, load_config
-    from finetune.schedules import describe_batch_and_lr, format_lr, lr_per_step, scaled_lr
+    from finetune.schedules import format_lr, lr_per_step, peak_lr, startup_line
 
     options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in SCRIPT_KEYS}
     recipe_args = [a for a in argv if a.split("=", 1)[0] not in SCRIPT_KEYS]
@@ -68,19 +68,11 @@ def main(argv: list[str]) -> int:
         cfg = load_config(recipe_args)
         accumulation = accumulation_steps(cfg, ranks)
         total = cfg.train.max_steps if cfg.train.max_steps > 0 else count_steps_from_data(cfg, ranks, accumulation)
-        by_tokens = bool(cfg.train.global_batch_tokens)
-        global_batch = cfg.train.global_batch_tokens if by_tokens else cfg.train.global_batch_size
-        lr = scaled_lr(cfg.optim.lr, global_batch, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
-        lrs = lr_per_step(total, cfg.schedule, lr)
+        lrs = lr_per_step(total, cfg.schedule, peak_lr(cfg))
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if by_tokens else cfg.train.micro_batch_size
-    print(
-        describe_batch_and_lr(micro, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling,
-                              cfg.optim.base_batch_size, global_batch, "tokens" if by_tokens else "sequences")
-        + f"; {total} optimizer steps"
-    )
+    print(startup_line(cfg, ranks, accumulation, total))
     recipe = os.path.basename(cfg.recipe) if cfg.recipe else "defaults"
     title = (f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"
              f" × accumulation {accumulation}")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from finetune.config import RecipeError, ScheduleConfig, load_config
-from finetune.schedules import build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, scaled_lr
+from finetune.schedules import (build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, peak_lr,
+                                scaled_lr, startup_line)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
@@ -120,6 +121,14 @@ def test_start_up_line():
                     "(sqrt rule, base 8192 tokens)")
     assert describe_batch_and_lr(4, 2, 1, 0.05, 0.05, "none", None, 8) == (
         "effective batch 8 sequences = micro 4 × accumulation 2 × 1 rank; lr 0.05")
+
+
+def test_start_up_line_of_a_token_budget_recipe_reads_the_base_in_tokens():
+    cfg = load_config([f"recipe={DEBUG}", "data.batching=token_budget", "data.max_tokens_per_micro_batch=512",
+                       "train.global_batch_tokens=4096", "optim.lr_scaling=linear", "optim.base_batch_size=2048"])
+    assert peak_lr(cfg) == pytest.approx(2e-3, rel=1e-15)
+    assert startup_line(cfg, 1, 8, 10) == ("effective batch 4096 tokens = micro 512 tokens × accumulation 8 × 1 rank; "
+                                           "lr 1e-3 → 2e-3 (linear rule, base 2048 tokens); 10 optimizer steps")
 
 
 # ---- through finetune/train.py, as users run it ----
