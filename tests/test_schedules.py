@@ -248,3 +248,32 @@ def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "schedule.pct_start=2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "schedule.pct_start=2.0 must be in (0, 1)" in bad.stderr
+
+
+@pytest.mark.parametrize("kwargs", [dict(name="onecycle", pct_start=0.3), dict(name="warmup_cosine", warmup_steps=3)])
+def test_scheduler_state_resumes_through_a_weights_only_checkpoint(kwargs):
+    """As the Trainer resumes: a fresh scheduler loads scheduler.pt (torch.load weights_only=True) and continues."""
+    import io
+
+    cfg, total = ScheduleConfig(**kwargs), 12
+
+    def fresh():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return optimizer, build_scheduler(optimizer, total, cfg)
+
+    optimizer, scheduler = fresh()
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    buffers = [io.BytesIO(), io.BytesIO()]
+    torch.save(optimizer.state_dict(), buffers[0])
+    torch.save(scheduler.state_dict(), buffers[1])
+    resumed_optimizer, resumed = fresh()
+    resumed_optimizer.load_state_dict(torch.load(io.BytesIO(buffers[0].getvalue()), weights_only=True))
+    resumed.load_state_dict(torch.load(io.BytesIO(buffers[1].getvalue()), weights_only=True))
+    lrs = []
+    for _ in range(5, total):
+        lrs.append(resumed_optimizer.param_groups[0]["lr"])
+        resumed_optimizer.step()
+        resumed.step()
+    assert_close_all(lrs, lr_per_step(total, cfg, 1e-3)[5:])
