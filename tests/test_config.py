@@ -79,3 +79,19 @@ def test_yaml_is_safe_loaded(tmp_path):
     recipe.write_text("model:\n  name_or_path: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_config([f"recipe={recipe}"])
+
+
+def test_fp16_on_a_machine_without_gpu_is_an_error_not_silent_fp32(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():  # on a GPU, fp16 is real (GradScaler): the CPU-only error does not apply
+        return
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", f"recipe={DEBUG}", "train.precision=fp16", f"train.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"
+    ]
+    assert not out.exists()

@@ -140,3 +140,58 @@ def test_model_without_logits_falls_back_to_trainer(tmp_path):
     assert ours._falls_back
     for name in ours_snaps[-1]:
         torch.testing.assert_close(ours_snaps[-1][name], stock_snaps[-1][name], rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_autocast_stays_within_bf16_tolerance_of_the_float64_window_gradient(tmp_path):
+    initial = tiny_llama()
+    trainer, windows, snapshots = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=12), tmp_path, 3, 2, bf16=True
+    )
+    assert trainer.accelerator.mixed_precision == "bf16"
+    errors = [e for e, _ in step_errors(initial, windows, snapshots)]
+    # bf16 matmuls carry ~3 significant digits; the fp32 path is ≤ 1e-5 (above). A wrong normalization is ≥ 1e-1.
+    assert max(errors) <= 2e-2, errors
+
+
+def test_fp16_unscales_before_clipping_and_skips_a_step_with_inf(tmp_path):
+    initial = tiny_llama()
+    data = ragged_rows(12, seed=13)
+    grads, _ = reference_gradient(initial, data[:6])
+    norm = sum(float((g**2).sum()) for g in grads.values()) ** 0.5
+
+    class PoisonFirstStep(SnapshotCallback):
+        """An inf gradient in the first window's backward only: GradScaler must skip that step and lower its scale."""
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 0:
+                param = next(model.parameters())
+                self.hook = param.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("inf")))
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                self.hook.remove()
+            super().on_step_end(args, state, control, model=model, **kwargs)
+
+    collator, record = RecordingCollator(), PoisonFirstStep()
+    trainer = TokenNormTrainer(
+        model=copy.deepcopy(initial), args=sgd_args(tmp_path, 3, 2, max_grad_norm=0.5 * norm, fp16=True),
+        train_dataset=data, data_collator=collator, callbacks=[record],
+    )
+    # Accelerate sets up fp16 (autocast + GradScaler) only on accelerators; give it its CUDA set-up on the CPU so
+    # the real path runs: scaled backward, unscale inside clip_grad_norm_, GradScaler.step skipping an inf step.
+    assert trainer.accelerator.scaler is None
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer.accelerator.native_amp = True
+    trainer.train()
+    snapshots = record.snapshots
+    assert all(torch.equal(snapshots[0][n], snapshots[1][n]) for n in snapshots[0]), "the inf step must not update"
+    assert trainer.accelerator.scaler.get_scale() < 2.0**16
+    # the second window: clipped from its unscaled fp16 gradient, within fp16 tolerance of the clipped reference
+    window = sum(collator.batches[2:4], [])
+    ref, _ = reference_gradient(initial, window)
+    ref_norm = sum(float((g**2).sum()) for g in ref.values()) ** 0.5
+    logged = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert logged[1]["grad_norm"] == pytest.approx(ref_norm, rel=2e-2)  # unscaled: not ×65536
+    clipped = {n: g * min(1.0, 0.5 * norm / ref_norm) for n, g in ref.items()}
+    applied = {n: snapshots[1][n] - snapshots[2][n] for n in ref}
+    assert relative_error(applied, clipped) <= 2e-2
