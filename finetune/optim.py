@@ -5,7 +5,8 @@ prefixes in `optim.lr_multipliers` scale a group's LR. Every group's "lr" is its
 
 LAMB and LARS are written on `torch._foreach_*` ops (one kernel per op over a whole group where the device allows)
 and take trust ratios as 0-dim tensors, so a step never synchronizes with the GPU. Their state is per parameter, in
-the parameter's dtype, and round-trips through `state_dict()` like torch's own optimizers (resume).
+the parameter's dtype, and round-trips through `state_dict()` like torch's own optimizers (resume). Under FSDP2 the
+foreach norms of DTensor shards are whole-tensor norms, so trust ratios equal the unsharded ones.
 """
 
 from __future__ import annotations
