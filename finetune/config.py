@@ -56,6 +56,7 @@ class DataConfig:
     batching: str = "padded"  # padded | length_grouped | token_budget | packed
     max_tokens_per_micro_batch: Optional[int] = None  # token_budget only
     num_workers: int = 0
+    streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
 
 
 @dataclass
@@ -315,6 +316,13 @@ def check_config(config: Config) -> None:
         raise RecipeError(f"log.peak_tflops={config.log.peak_tflops} must be positive (the device's peak TFLOP/s)")
     if config.train.max_grad_norm < 0:
         raise RecipeError(f"train.max_grad_norm={config.train.max_grad_norm} must be ≥ 0 (0 turns clipping off)")
+    if config.data.streaming and config.train.max_steps < 1:
+        raise RecipeError("data.streaming=true has no dataset length to count epochs by; set train.max_steps")
+    if config.data.streaming and (config.data.batching == "length_grouped" or is_budgeted(config.data)):
+        raise RecipeError(
+            f"data.batching={config.data.batching} sorts or budgets rows by length, which a stream does not know up "
+            "front; use data.batching=padded or packed (without data.max_tokens_per_micro_batch), or data.streaming=false"
+        )
     if config.data.batching == "token_budget" and not config.data.max_tokens_per_micro_batch:
         raise RecipeError("data.batching=token_budget needs data.max_tokens_per_micro_batch (tokens per micro-batch)")
     budget = config.data.max_tokens_per_micro_batch

@@ -44,8 +44,11 @@ class DataReport:
     bad_rows_skipped: int = 0
     tokens: int = 0  # input tokens over the kept rows
     target_tokens: int = 0  # supervised targets after the causal shift
+    streamed: bool = False  # data.streaming: rows are read as training goes, counts unknown at start
 
     def summary(self) -> str:
+        if self.streamed:
+            return f"{self.source} ({self.format}), streamed: rows are read, tokenized and labelled as training goes"
         counts = [
             (self.truncated, "truncated"), (self.dropped_over_length, "dropped over data.max_length"),
             (self.dropped_no_supervised_tokens, "dropped without targets"), (self.bad_rows_skipped, "bad skipped"),
@@ -87,7 +90,9 @@ def _take(items: list, label: str, data: DataConfig, report: DataReport, out: li
     out += [(f"{label} {k + 1}", item) for k, item in enumerate(items[:room])]
 
 
-def _read_json_lines(path: Path, lines: list[bytes], data: DataConfig, report: DataReport, out: list[Record]) -> None:
+def json_line_records(path: Path, lines, data: DataConfig, report: DataReport):
+    """(where, record) per non-empty JSON line of an iterable of byte lines, up to data.limit; bad lines per
+    data.on_bad_row."""
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -103,7 +108,7 @@ def _read_json_lines(path: Path, lines: list[bytes], data: DataConfig, report: D
         except json.JSONDecodeError as e:
             _bad(data, report, where, f"not valid JSON ({e.msg} at column {e.colno})")
             continue
-        out.append((where, record))
+        yield where, record
 
 
 def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Record]) -> None:
@@ -124,7 +129,16 @@ def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Recor
             at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise RecipeError(f"{path}: not a valid JSON array ({at})") from None
         return _take(items, f"{path} item", data, report, out)
-    _read_json_lines(path, content.splitlines(), data, report, out)
+    out.extend(json_line_records(path, content.splitlines(), data, report))
+
+
+def folder_files(path: Path, source: str) -> list[Path]:
+    """The data files of a folder, sorted, hidden ones skipped."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_KINDS
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files")
+    return files
 
 
 def read_records(data: DataConfig, report: DataReport) -> list[Record]:
@@ -137,11 +151,7 @@ def read_records(data: DataConfig, report: DataReport) -> list[Record]:
         return out
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_KINDS
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files")
-        for file in files:
+        for file in folder_files(path, source):
             if _room(data, report, 1):
                 _read_file(file, data, report, out)
         return out
@@ -274,6 +284,33 @@ def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple
     return ids, _chat_labels(ids, encoded[1 : 1 + turns], encoded[1 + turns :], blank)
 
 
+def fit_row(data: DataConfig, report: DataReport, where: str, ids: list[int], labels: list[int]):
+    """(ids, labels) after data.max_length and data.truncation, or None (dropped and counted)."""
+    if len(ids) > data.max_length:
+        if data.truncation == "error":
+            raise RecipeError(
+                f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+                "data.max_length or set data.truncation=right (cut) or drop"
+            )
+        if data.truncation == "drop":
+            report.dropped_over_length += 1
+            return None
+        ids, labels = ids[: data.max_length], labels[: data.max_length]
+        report.truncated += 1
+    targets = sum(1 for label in labels[1:] if label != IGNORE)
+    if not targets:
+        report.dropped_no_supervised_tokens += 1
+        return None
+    report.tokens += len(ids)
+    report.target_tokens += targets
+    return ids, labels
+
+
+def blank_tokens(tokenizer):
+    """token id → True if it decodes to whitespace only (trimmed from the end of assistant spans); cached."""
+    return functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
+
+
 def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataReport]:
     """(datasets.Dataset with input_ids and labels, DataReport)."""
     import datasets
@@ -293,7 +330,7 @@ def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, Dat
         rows.append((where, len(strings), len(texts)))
         strings += texts
     encoded = tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"] if strings else []
-    blank = functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
+    blank = blank_tokens(tokenizer)
     columns: dict[str, list] = {"input_ids": [], "labels": []}
     for where, at, n in rows:
         try:
@@ -301,25 +338,10 @@ def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, Dat
         except BadRow as e:
             _bad(data, report, where, str(e))
             continue
-        if len(ids) > data.max_length:
-            if data.truncation == "error":
-                raise RecipeError(
-                    f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
-                    "data.max_length or set data.truncation=right (cut) or drop"
-                )
-            if data.truncation == "drop":
-                report.dropped_over_length += 1
-                continue
-            ids, labels = ids[: data.max_length], labels[: data.max_length]
-            report.truncated += 1
-        targets = sum(1 for label in labels[1:] if label != IGNORE)
-        if not targets:
-            report.dropped_no_supervised_tokens += 1
-            continue
-        columns["input_ids"].append(ids)
-        columns["labels"].append(labels)
-        report.tokens += len(ids)
-        report.target_tokens += targets
+        kept = fit_row(data, report, where, ids, labels)
+        if kept:
+            columns["input_ids"].append(kept[0])
+            columns["labels"].append(kept[1])
     report.rows_kept = len(columns["input_ids"])
     if not report.rows_kept:
         raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")

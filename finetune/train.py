@@ -35,6 +35,7 @@ def build(cfg: Config, callbacks: tuple = ()):
 
     from finetune import batching, models, reporting, schedules
     from finetune.data import load_sft_dataset
+    from finetune.streaming import stream_sft_dataset
     from finetune.trainer import RecipeTrainer
 
     ranks = data_parallel_ranks()
@@ -48,7 +49,10 @@ def build(cfg: Config, callbacks: tuple = ()):
     model = models.load_model(cfg.model, folder)
 
     # data and batching
-    dataset, report = load_sft_dataset(cfg.data, tokenizer)
+    if cfg.data.streaming:
+        dataset, report = stream_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
+    else:
+        dataset, report = load_sft_dataset(cfg.data, tokenizer)
     reporting.main_print(f"data: {report.summary()}")
     batches = batching.prepare(cfg, dataset, tokenizer)
     total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)

@@ -1,0 +1,149 @@
+"""`data.streaming: true`: SFT rows read, tokenized and labelled one at a time, for data too large for memory.
+
+Files are read line by line (jsonl), batch by batch (parquet) or row by row (csv); a hub id goes through
+`datasets.load_dataset(..., streaming=True)`. Every row goes through the same functions as the in-memory path
+(`finetune/data.py`: chat template, label spans, data.max_length/truncation, data.on_bad_row), so a streamed row is
+exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs `train.max_steps`,
+and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted packing) do not apply.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from finetune.config import DataConfig, RecipeError
+from finetune.data import (
+    FILE_KINDS, BadRow, DataReport, Record, _bad, _looks_like_path, blank_tokens, detect_format, fit_row, folder_files,
+    json_line_records, row_labels, row_strings,
+)
+
+PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
+SHUFFLE_BUFFER = 1024  # rows shuffled together: a random order within a window of the stream, as streams do
+
+
+def _file_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Record]:
+    kind = FILE_KINDS[path.suffix.lower()]
+    if kind in ("jsonl", "json"):
+        with open(path, "rb") as f:
+            if kind == "json" and f.read(64).lstrip().startswith(b"["):
+                raise RecipeError(
+                    f"{path}: a JSON array cannot be streamed; write it as JSON lines (.jsonl) or set data.streaming=false"
+                )
+            f.seek(0)
+            yield from json_line_records(path, f, data, report)
+        return
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = (row for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for row in batch.to_pylist())
+        yield from _numbered(rows, path, report)
+        return
+    with open(path, newline="", encoding="utf-8") as f:
+        yield from _numbered(csv.DictReader(f), path, report)
+
+
+def _numbered(rows, path: Path, report: DataReport) -> Iterator[Record]:
+    for number, row in enumerate(rows, 1):
+        report.rows_read += 1
+        yield f"{path} row {number}", row
+
+
+def stream_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
+    """(where, raw row) for data.source, lazily, up to data.limit rows."""
+    source = data.source
+    if source == "stdlib_docs":
+        from finetune.stdlib_docs import ensure_cached
+
+        records = _file_records(ensure_cached(), data, report)
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            records = itertools.chain.from_iterable(_file_records(f, data, report) for f in folder_files(path, source))
+        elif path.is_file():
+            if path.suffix.lower() not in FILE_KINDS:
+                raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
+            records = _file_records(path, data, report)
+        elif _looks_like_path(source):
+            raise RecipeError(f"data.source={source}: no such file or folder")
+        else:
+            records = _hub_records(data, report)
+    return itertools.islice(records, data.limit) if data.limit is not None else records
+
+
+def _hub_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset(data.source, split=data.split, streaming=True)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RecipeError(
+            f"data.source={data.source}: neither a local path nor a reachable hub dataset (split {data.split}: {why})"
+        ) from None
+    yield from _numbered(table, f"{data.source} [{data.split}]", report)
+
+
+class StreamingSFT(torch.utils.data.IterableDataset):
+    """Yields {"input_ids", "labels"} rows as `load_sft_dataset` builds them; each epoch reads the source again.
+
+    Under several dataloader workers each worker takes every n-th row, so no row is read twice.
+    """
+
+    def __init__(self, data: DataConfig, tokenizer, fmt: str, seed: int = 0):
+        self.data, self.tokenizer, self.fmt, self.seed = data, tokenizer, fmt, seed
+        self.epoch = 0
+        self.report = DataReport(source=data.source, format=fmt)  # counts of the current pass
+
+    def set_epoch(self, epoch: int) -> None:  # called by the Trainer's dataloader each epoch: a new order
+        self.epoch = epoch
+
+    def __iter__(self):
+        """Rows in a buffered random order, deterministic in (seed, epoch)."""
+        rng = random.Random(self.seed * 100_003 + self.epoch)
+        buffer = []
+        for row in self.rows():
+            buffer.append(row)
+            if len(buffer) == SHUFFLE_BUFFER:
+                yield buffer.pop(rng.randrange(len(buffer)))
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def rows(self):
+        """Rows in the source's order."""
+        data, fmt = self.data, self.fmt
+        self.report = report = DataReport(source=data.source, format=fmt)
+        blank = blank_tokens(self.tokenizer)
+        worker = torch.utils.data.get_worker_info()
+        for k, (where, record) in enumerate(stream_records(data, report)):
+            if worker is not None and k % worker.num_workers != worker.id:
+                continue
+            try:
+                strings = row_strings(fmt, record, self.tokenizer, data.loss_on)
+                encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
+                ids, labels = row_labels(fmt, data.loss_on, encoded, blank)
+            except BadRow as e:
+                _bad(data, report, where, str(e))
+                continue
+            kept = fit_row(data, report, where, ids, labels)
+            if kept:
+                report.rows_kept += 1
+                yield {"input_ids": kept[0], "labels": kept[1]}
+
+
+def stream_sft_dataset(data: DataConfig, tokenizer, seed: int = 0) -> tuple[StreamingSFT, DataReport]:
+    """The streamed dataset and a report of its first rows (the format; counts grow as training reads)."""
+    report = DataReport(source=data.source, streamed=True)
+    peek = list(itertools.islice(stream_records(data, report), PEEK_ROWS))
+    if not peek:
+        raise RecipeError(f"data.source={data.source}: no rows to read")
+    fmt = report.format = detect_format(data.format, peek, data.source)
+    dataset = StreamingSFT(data, tokenizer, fmt, seed)
+    if next(dataset.rows(), None) is None and len(peek) < PEEK_ROWS:
+        raise RecipeError(f"data.source={data.source}: no rows left ({dataset.report.summary()})")
+    return dataset, report
