@@ -58,18 +58,9 @@ def build(cfg: Config, callbacks: tuple = ()):
     total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)
 
     # learning rate and schedule, from the effective batch
-    by_tokens = bool(cfg.train.global_batch_tokens)
-    global_batch = cfg.train.global_batch_tokens if by_tokens else cfg.train.global_batch_size
-    lr = schedules.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
+    lr = schedules.peak_lr(cfg)
     schedules.check_schedule(total_steps, cfg.schedule)
-    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if by_tokens else cfg.train.micro_batch_size
-    reporting.main_print(
-        schedules.describe_batch_and_lr(
-            micro, accumulation, ranks, cfg.optim.lr, lr, cfg.optim.lr_scaling, cfg.optim.base_batch_size,
-            global_batch, "tokens" if by_tokens else "sequences",
-        )
-        + f"; {total_steps} optimizer steps"
-    )
+    reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
 
     # trainer
     args = TrainingArguments(
