@@ -159,6 +159,12 @@ def check_launch(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
         problems.append(precision)
     if uses_deepspeed(env):
         problems += _deepspeed_problems(cfg, env)
+        if cfg.optim.name in ("lamb", "lars"):
+            # ZeRO hands the optimizer flat partitions of many tensors: per-tensor trust ratios would be wrong
+            problems.append(
+                f"optim.name={cfg.optim.name} computes a trust ratio per parameter tensor, which DeepSpeed ZeRO's flat "
+                "partitions do not keep; use accelerate_configs/fsdp2.yaml or ddp.yaml, or optim.name=adamw"
+            )
     if uses_fsdp(env) and _true(env.get("FSDP_ACTIVATION_CHECKPOINTING")) and cfg.train.gradient_checkpointing:
         problems.append(
             "the accelerate config sets fsdp_activation_checkpointing and the recipe sets "

@@ -215,3 +215,11 @@ def test_a_planned_micro_batch_leaves_only_the_batch_keys_unchecked(tmp_path):
     with pytest.raises(RecipeError) as error:
         check_launch(cfg, env)
     assert "gradient_clipping=0.5" in str(error.value) and "train_batch_size" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_layerwise_optimizers_are_refused_under_zero(name):
+    env = launch_env("zero2", 2)
+    with pytest.raises(RecipeError, match=rf"optim.name={name} computes a trust ratio per parameter tensor"):
+        check_launch(load_config([*DEBUG, f"optim.name={name}"]), env)
+    check_launch(load_config([*DEBUG, f"optim.name={name}"]), launch_env("ddp", 2))  # fine under DDP
