@@ -1,0 +1,118 @@
+"""finetune.plan: the largest micro-batch that fits, global batch kept; measured on CPU with real training steps."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import plan as planner
+from finetune.config import RecipeError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = "recipe=recipes/debug.yaml"
+GIB = 2**30
+
+
+def run(cmd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def rss_high_water_mark() -> float:
+    with open("/proc/self/status") as f:
+        return float(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+@pytest.fixture(scope="module")
+def debug32():
+    cfg = load_config([DEBUG, "train.global_batch_size=32"])
+    return cfg, planner.Trials(cfg, 1)
+
+
+def step_high_water_mark(trials, value) -> float:
+    """Peak RSS of one worst-case training step at `value`, as the operating system counts it."""
+    planner.trimmed_rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # restart the RSS high-water mark (Linux)
+    trials.peak(value)
+    return rss_high_water_mark()
+
+
+def test_the_choice_fits_and_keeps_the_global_batch(debug32):
+    cfg, trials = debug32
+    # Just less memory than a step at micro-batch 32 takes: the plan must pick a smaller micro-batch that fits.
+    memory = step_high_water_mark(trials, 32) - 2**20
+    result = planner.plan(cfg, 1, headroom=0.1, memory_gib=memory / GIB, trials=trials)
+    assert 1 < result.value < 32
+    assert result.value * result.accumulation == 32 and result.global_batch == 32 and 32 % result.value == 0
+    assert result.peak_bytes <= result.limit_bytes == pytest.approx(0.9 * memory)
+    assert result.lr == cfg.optim.lr and f"set: train.micro_batch_size={result.value}" in result.describe()
+    # Really fits: a worst-case training step at the chosen micro-batch stays within the memory.
+    assert step_high_water_mark(trials, result.value) <= memory
+
+
+def test_nothing_fits_says_what_it_measured(debug32):
+    cfg, trials = debug32
+    with pytest.raises(RecipeError, match=r"nothing fits: train.micro_batch_size=1 \(128 tokens of the longest row\) "
+                                          r"measured \d+\.\d\d GiB, over the limit of 0\.09 GiB"):
+        planner.plan(cfg, 1, memory_gib=0.1, trials=trials)
+
+
+def test_token_budget_plans_the_budget():
+    cfg = load_config([DEBUG, "data.batching=token_budget", "data.max_tokens_per_micro_batch=128",
+                       "train.global_batch_tokens=512"])
+    result = planner.plan(cfg, 1)
+    assert result.key == "data.max_tokens_per_micro_batch" and result.unit == "tokens"
+    assert (result.value, result.accumulation) == (512, 1)  # a tiny model: the whole budget fits anywhere
+    assert sorted(result.measured) == [128, 256, 512]  # each measured by a real step, none extrapolated
+
+
+def test_candidates_and_search():
+    assert planner.divisors(12) == [1, 2, 3, 4, 6, 12]
+    cfg = load_config([DEBUG, "train.global_batch_size=24"])
+    assert planner.candidates(cfg, 2) == ("train.micro_batch_size", "sequences", 24, [1, 2, 3, 4, 6, 12])
+    with pytest.raises(RecipeError, match="train.global_batch_size=24 is not divisible by 5 ranks"):
+        planner.candidates(cfg, 5)
+    budget = load_config([DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=128",
+                          "train.global_batch_tokens=768"])
+    assert planner.candidates(budget, 1)[3] == [128, 192, 256, 384, 768]  # ≥ data.max_length (128)
+
+    tried = []
+    fits = lambda v: tried.append(v) or v <= 6  # noqa: E731
+    values = [1, 2, 3, 4, 6, 12, 24]
+    assert values[planner.largest_fitting(values, fits)] == 6 and len(tried) <= 4
+    assert planner.largest_fitting(values, lambda v: False) is None
+    assert planner.fit_line({100: 1000.0, 200: 1500.0, 400: 2500.0}) == pytest.approx((500.0, 5.0))
+
+
+def test_auto_micro_batch_in_training(tmp_path):
+    out = tmp_path / "auto"
+    result = run([sys.executable, "finetune/train.py", DEBUG, "train.micro_batch_size=auto",
+                  "train.global_batch_size=16", "train.max_steps=1", f"train.output_dir={out}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = int(re.search(r"train.micro_batch_size=auto → (\d+)", result.stdout).group(1))
+    micro, accumulation = map(int, re.search(r"effective batch 16 sequences = micro (\d+) × accumulation (\d+) × 1 rank",
+                                             result.stdout).groups())
+    assert micro == chosen and micro * accumulation == 16
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["micro_batch_size"] == chosen
+
+
+def test_recipe_errors():
+    for args in (["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"]):
+        trained = run([sys.executable, "finetune/train.py", *args])
+        planned = run([sys.executable, "-m", "finetune.plan", *args])
+        assert trained.returncode == planned.returncode == 2
+        assert planned.stderr.startswith("error: ") and planned.stderr == trained.stderr
+    nothing = run([sys.executable, "-m", "finetune.plan", DEBUG, "plan.memory_gib=0.1"])
+    assert nothing.returncode == 2 and nothing.stderr.splitlines()[-1].startswith("error: nothing fits")
+    with pytest.raises(RecipeError, match="must be a positive integer or auto"):
+        load_config([DEBUG, "train.micro_batch_size=eight"])
+    with pytest.raises(RecipeError, match="train.micro_batch_size=auto plans sequences per micro-batch"):
+        load_config([DEBUG, "train.micro_batch_size=auto", "data.batching=token_budget",
+                     "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=1024"])
+    with pytest.raises(RecipeError, match="unknown key 'plan.headrom'"):
+        planner.split_args([DEBUG, "plan.headrom=0.2"])
