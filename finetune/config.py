@@ -10,7 +10,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -62,7 +62,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "outputs/run"
-    micro_batch_size: int = 8
+    # sequences per micro-batch per rank, or auto: the largest that fits this machine with the global batch kept
+    # (`python -m finetune.plan` shows the choice; training plans it at start)
+    micro_batch_size: Union[int, str] = 8
     global_batch_size: int = 8  # sequences per optimizer step over all ranks
     global_batch_tokens: Optional[int] = None  # computed tokens per optimizer step, for token-budgeted batching
     max_steps: int = -1
@@ -281,6 +283,9 @@ def accumulation_steps(config: Config, ranks: int) -> int:
                 "train.global_batch_tokens applies to data.batching=token_budget (or packed with "
                 "data.max_tokens_per_micro_batch); use train.global_batch_size for sequences"
             )
+        if train.micro_batch_size == "auto":
+            raise RecipeError("train.micro_batch_size=auto is chosen when training starts; run python -m finetune.plan "
+                              "recipe=… to see the choice, or set a number")
         total, per_micro_step = train.global_batch_size, train.micro_batch_size * ranks
         names = f"train.global_batch_size={total} is not divisible by train.micro_batch_size={train.micro_batch_size}"
     if total % per_micro_step:
@@ -301,7 +306,11 @@ def check_config(config: Config) -> None:
             guess = difflib.get_close_matches(str(value), allowed, n=1)
             hint = f"; did you mean '{guess[0]}'?" if guess else ""
             raise RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
-    positive = ["train.micro_batch_size", "train.global_batch_size", "data.max_length", "log.every_steps"]
+    micro = config.train.micro_batch_size
+    if isinstance(micro, str) and micro != "auto":
+        raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
+    positive = ["train.global_batch_size", "data.max_length", "log.every_steps"]
+    positive += ["train.micro_batch_size"] if micro != "auto" else []
     for key in positive:
         if _get(config, key) < 1:
             raise RecipeError(f"{key}={_get(config, key)} must be at least 1")
@@ -346,7 +355,15 @@ def check_config(config: Config) -> None:
             "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
             "(or use train.precision=bf16)"
         )
-    accumulation_steps(config, data_parallel_ranks())
+    if micro != "auto":
+        accumulation_steps(config, data_parallel_ranks())
+    elif is_budgeted(config.data):
+        raise RecipeError(f"train.micro_batch_size=auto plans sequences per micro-batch; data.batching="
+                          f"{config.data.batching} fills micro-batches by tokens: run python -m finetune.plan to choose "
+                          "data.max_tokens_per_micro_batch")
+    elif config.train.global_batch_size % data_parallel_ranks():
+        raise RecipeError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
+                          f"{data_parallel_ranks()} ranks; set a multiple of {data_parallel_ranks()}")
 
 
 def to_yaml(config: Config) -> str:

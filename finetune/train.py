@@ -27,6 +27,10 @@ def main(argv: list[str]) -> int:
 
 def build(cfg: Config, callbacks: tuple = ()):
     """The trainer this recipe trains with, ready for `.train()`; nothing is written yet."""
+    if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
+        from finetune.plan import resolve_auto_micro_batch
+
+        resolve_auto_micro_batch(cfg)
     from finetune import distributed
 
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before anything heavy
