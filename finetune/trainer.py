@@ -145,13 +145,12 @@ class TokenNormTrainer(Trainer):
         labels = inputs["labels"]
         forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
         keep = {"logits_to_keep": predicting_positions(labels)} if self._keeps_logits else {}
-        chunked = keep and torch.is_grad_enabled() and not return_outputs
-        head = self._chunked_head if chunked and self._chunked_head else None
-        with head_passes_hidden_states(head):
-            outputs = self._forward(model, {**forward_inputs, **self._no_cache, **keep}, probe=chunked)
+        chunked = bool(keep) and torch.is_grad_enabled() and not return_outputs
+        outputs, hidden = self._forward(model, {**forward_inputs, **self._no_cache, **keep}, chunked)
         logits = logits_of(outputs)
-        if head is not None:
-            loss_sum, label_tokens = head_token_loss_sum(logits, head.weight, head.bias, labels)
+        if hidden is not None:
+            head = self._chunked_head
+            loss_sum, label_tokens = head_token_loss_sum(hidden, head.weight, head.bias, labels)
         elif keep and logits is not None and logits.dim() == 2:
             loss_sum, label_tokens = kept_token_loss_sum(logits, labels)
         elif logits is not None and logits.dim() == 3 and logits.shape[:2] == labels.shape:
@@ -166,22 +165,32 @@ class TokenNormTrainer(Trainer):
             loss = loss_sum / window_label_tokens * self._data_parallel_size()
         return (loss, outputs) if return_outputs else loss
 
-    def _forward(self, model, inputs: dict, probe: bool):
-        """model(**inputs); the first training forward also checks whether the chunked head can be used."""
-        if not probe or self._chunked_head is not None:
-            return model(**inputs)
+    def _forward(self, model, inputs: dict, chunked: bool):
+        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None).
+
+        The first chunked forward probes: it runs the model whole with a hook on the LM head, and if the model returned
+        the head's output unchanged, its loss too comes from the head's input through the chunked head, so every
+        step takes the same numerical path (a resumed run's first step equals the uninterrupted run's bit for bit).
+        """
+        if not chunked or self._chunked_head is False:
+            return model(**inputs), None
+        if self._chunked_head is not None:
+            with head_passes_hidden_states(self._chunked_head):
+                outputs = model(**inputs)
+            return outputs, logits_of(outputs)
         head = plain_head(self.accelerator.unwrap_model(model))
         if head is None:
             self._chunked_head = False
-            return model(**inputs)
+            return model(**inputs), None
         seen = []
-        handle = head.register_forward_hook(lambda module, args, output: seen.append(output))
+        handle = head.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
         try:
             outputs = model(**inputs)
         finally:
             handle.remove()
-        self._chunked_head = head if len(seen) == 1 and logits_of(outputs) is seen[0] else False
-        return outputs
+        plain = len(seen) == 1 and logits_of(outputs) is seen[0][1]
+        self._chunked_head = head if plain else False
+        return outputs, seen[0][0] if plain else None
 
     def _fall_back(self, model, inputs, return_outputs, logits):
         shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
