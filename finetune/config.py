@@ -74,7 +74,8 @@ class TrainConfig:
     seed: int = 42
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: Optional[int] = None
-    resume_from: Optional[str] = None  # auto | PATH
+    resume_from: Optional[str] = None  # auto (the newest complete checkpoint in output_dir, else start) | PATH
+    on_nonfinite: str = "skip"  # NaN/inf loss or gradients: skip the update (counted as nonfinite_skipped) | stop
     gradient_checkpointing: bool = False
     profile_steps: list[int] = field(default_factory=list)  # [first, last] optimizer steps under torch.profiler
     sync_each_batch: bool = False  # reduce gradients after every micro-batch: less memory under FSDP, more traffic
@@ -140,6 +141,7 @@ CHOICES = {
     "data.on_bad_row": ("error", "skip"),
     "data.batching": ("padded", "length_grouped", "token_budget", "packed"),
     "train.precision": ("fp32", "bf16", "fp16"),
+    "train.on_nonfinite": ("skip", "stop"),
     "optim.name": ("adamw", "sgd", "lamb", "lars"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "schedule.name": ("onecycle", "warmup_cosine", "linear", "constant"),

@@ -18,11 +18,11 @@ from finetune.config import Config, RecipeError, accumulation_steps, data_parall
 def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
-        return train(cfg)
+        return train(cfg, argv=argv)
     except RecipeError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
 
 
 def build(cfg: Config, callbacks: tuple = ()):
@@ -104,6 +104,7 @@ def build(cfg: Config, callbacks: tuple = ()):
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
         peak_lr=lr,
+        on_nonfinite=cfg.train.on_nonfinite,
     )
     trainer.remove_callback(PrinterCallback)  # the dict-per-step printer of disable_tqdm; StepProgress prints instead
     if cfg.log.peak_tflops:
@@ -111,18 +112,25 @@ def build(cfg: Config, callbacks: tuple = ()):
     return trainer
 
 
-def train(cfg: Config) -> int:
-    from finetune import reporting
+def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
+    from finetune import checkpoints, reporting
 
-    trainer = build(cfg)
-    trainer.train(resume_from_checkpoint=reporting.resume_path(cfg))
+    checkpoints.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
+    stop = checkpoints.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
+    with stop.installed():
+        trainer = build(cfg, callbacks)
+        trainer.stop_request = stop
+        checkpoints.check_space(cfg.train.output_dir, trainer.model)
+        resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
+        if resume:
+            reporting.main_print(f"resuming from {resume}")
+        trainer.train(resume_from_checkpoint=resume)
+        if stop.requested and trainer.state.global_step < trainer.state.max_steps:
+            reporting.main_print(checkpoints.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
+            return 0
 
-    # save
-    trainer.save_model(cfg.train.output_dir)
-    trainer.save_state()  # trainer_state.json: one log_history entry per logged optimizer step
-    if trainer.is_world_process_zero():
-        with open(os.path.join(cfg.train.output_dir, "recipe.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
+        # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
+        checkpoints.save_final(trainer, {"recipe.yaml": to_yaml(cfg)} if trainer.is_world_process_zero() else {})
     figures = reporting.summary(cfg, trainer)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, reporting.RecipeWandbCallback):

@@ -1,0 +1,254 @@
+"""Image+text rows for a VLM recipe: read, check the images, render through the processor's chat template, label.
+
+`load_vision_dataset(data, processor)` returns a `datasets.Dataset` with `input_ids`, `labels` (-100 on the prompt,
+the image tokens and everything but the assistant's turns; not shifted), `images` (references: a path or encoded
+bytes, opened again by the collator so pixels never sit in the dataset), `row` (where the row came from) and `length`,
+plus the `DataReport`.
+
+Rows: `messages` and `images` (a list) or `image` (one), from jsonl/json/parquet/csv files (image paths relative
+to the file), hub datasets (PIL/encoded images), or the built-in `shapes_captions`. A message's content is a string or
+a list of parts ({"type": "image"}, {"type": "text", "text": …}); the image token inside a text (LLaVA-style
+"<image>\\n…") counts as a placeholder too; a row with images and no placeholder gets them at the start of its first
+user turn. A row without images is a text row. The label spans come from finetune/data.py's prefix renderings; each
+rendering goes through the processor, so placeholders are expanded exactly as at inference.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import DataConfig, RecipeError
+from finetune.data import IGNORE, BadRow, DataReport, _bad, _render, detect_format, read_records, row_labels
+
+EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
+IMAGE_TOKEN_NAMES = ("image_token", "fake_image_token", "global_image_token", "boi_token", "eoi_token",
+                     "image_start_token", "image_end_token", "vision_start_token", "vision_end_token")
+
+
+# ---- images ----
+
+
+def open_image(ref: Any, base: Path | None = None):
+    """A PIL RGB image from a PIL image, a path (relative to `base`), bytes, or a datasets {"bytes", "path"} dict."""
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path")
+    if isinstance(ref, (bytes, bytearray)):
+        source, name = io.BytesIO(ref), "encoded image"
+    elif isinstance(ref, (str, os.PathLike)) and str(ref):
+        path = Path(ref).expanduser()
+        source = name = str(path if path.is_absolute() or base is None else base / path)
+        if not Path(source).is_file():
+            raise BadRow(f"image {name} not found")
+    else:
+        raise BadRow(f"image is {type(ref).__name__}, not a path, bytes or a PIL image")
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")  # decodes now: a truncated or corrupt file fails here, naming its row
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise BadRow(f"image {name} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+
+
+def stored_image(ref: Any, image, base: Path | None) -> dict:
+    """What the dataset keeps: the file's absolute path, or encoded bytes (PNG for in-memory images)."""
+    if isinstance(ref, dict) and ref.get("bytes"):
+        return {"bytes": ref["bytes"], "path": None}
+    if isinstance(ref, (bytes, bytearray)):
+        return {"bytes": bytes(ref), "path": None}
+    if isinstance(ref, (str, dict)):
+        path = Path(ref if isinstance(ref, str) else ref["path"]).expanduser()
+        return {"bytes": None, "path": str(path if path.is_absolute() or base is None else (base / path).resolve())}
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def _base_dir(where: str) -> Path | None:
+    """Relative image paths are relative to the file the row came from ("data/train.jsonl line 7")."""
+    match = re.match(r"(.*) (?:line|row|item) \d+$", where)
+    return Path(match.group(1)).parent if match and Path(match.group(1)).is_file() else None
+
+
+# ---- rows ----
+
+
+def _parts(content: Any, what: str) -> list[dict]:
+    if isinstance(content, str):
+        if not content.strip():
+            raise BadRow(f"{what} is empty")
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise BadRow(f"{what} is neither a string nor a non-empty list of parts")
+    parts = []
+    for k, part in enumerate(content, 1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise BadRow(f"{what}[{k}] is not an {{type: image}} or {{type: text, text}} part")
+    return parts
+
+
+def parse_vision_row(record: Any, image_token: str) -> tuple[list[dict], list[Any]]:
+    """(messages with list contents, image references), placeholders checked against the images."""
+    if not isinstance(record, dict) or "messages" not in record:
+        raise BadRow("a row is an object with messages (and images/image)")
+    images = record.get("images", record.get("image"))
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("messages is not a non-empty list of messages")
+    out = []
+    for k, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise BadRow(f"messages[{k}] is not a {{role, content}} message")
+        out.append({"role": m["role"], "content": _parts(m["content"], f"messages[{k}].content")})
+    placeholders = sum(1 if p["type"] == "image" else p["text"].count(image_token) for m in out for p in m["content"])
+    if images and not placeholders:
+        first_user = next((m for m in out if m["role"] == "user"), None)
+        if first_user is None:
+            raise BadRow("the row has images but no user turn to put them in")
+        first_user["content"] = [{"type": "image"} for _ in images] + first_user["content"]
+    elif placeholders != len(images):
+        raise BadRow(f"messages hold {placeholders} image placeholder(s) ({image_token} or {{type: image}}) but the "
+                     f"row has {len(images)} image(s)")
+    return out, images
+
+
+def image_token_ids(processor) -> set[int]:
+    tokenizer = processor.tokenizer
+    tokens = [getattr(processor, name, None) for name in IMAGE_TOKEN_NAMES]
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokens if isinstance(t, str) and t}
+    return {i for i in ids if i is not None and i != tokenizer.unk_token_id}
+
+
+def encode_row(processor, messages: list[dict], images: list, loss_on: str, blank) -> tuple[list[int], list[int]]:
+    """input_ids and labels: the full rendering and, per labelled assistant turn, its two prefix renderings, each
+    through the processor (placeholders expanded as at inference); finetune.data turns them into label spans."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = [] if loss_on == "all" else turns[-1:] if loss_on == "completion" else turns
+    if loss_on != "all" and not turns:
+        raise BadRow("no assistant turn to learn from")
+    strings = [_render(processor, messages, False)] + [_render(processor, messages[:i], True) for i in turns] + [
+        _render(processor, messages[: i + 1], False) for i in turns]
+    image_token = getattr(processor, "image_token", "<image>")
+    encoded = []
+    for text in strings:
+        count = text.count(image_token)
+        try:
+            out = processor(text=[text], images=images[:count] or None, add_special_tokens=False)
+        except (ValueError, TypeError) as e:
+            raise BadRow(f"the processor refuses it ({str(e).splitlines()[0]})")
+        encoded.append(list(out["input_ids"][0]))
+    return row_labels("messages", loss_on, encoded, blank)
+
+
+def load_vision_dataset(data: DataConfig, processor):
+    """(datasets.Dataset with input_ids, labels, images, row; DataReport)."""
+    import datasets
+
+    report = DataReport(source=data.source, format="messages+images")
+    if data.source == "shapes_captions":
+        from finetune import shapes_captions
+
+        records = [(f"shapes_captions row {k + 1}", r) for k, r in enumerate(shapes_captions.rows(data.limit))]
+        report.rows_read = len(records)
+    else:
+        records = read_records(data, report)
+        if data.format not in ("auto", "messages"):
+            raise RecipeError(f"data.format={data.format}: a VLM recipe reads messages rows (with images/image)")
+        detect_format("messages", records, data.source)
+    tokenizer = processor.tokenizer
+    blank = functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
+    image_ids = image_token_ids(processor)
+    image_token = getattr(processor, "image_token", "<image>")
+    columns: dict[str, list] = {"input_ids": [], "labels": [], "images": [], "row": [], "length": []}
+    for where, record in records:
+        base = _base_dir(where)
+        try:
+            messages, refs = parse_vision_row(record, image_token)
+            opened = []
+            for k, ref in enumerate(refs, 1):
+                try:
+                    opened.append(open_image(ref, base))
+                except BadRow as e:
+                    raise BadRow(f"image {k} of {len(refs)}: {e}") from None
+            ids, labels = encode_row(processor, messages, opened, data.loss_on, blank)
+        except BadRow as e:
+            _bad(data, report, where, str(e))
+            continue
+        labels = [IGNORE if t in image_ids else label for t, label in zip(ids, labels)]
+        if len(ids) > data.max_length:
+            last_image = max((i for i, t in enumerate(ids) if t in image_ids), default=-1)
+            if data.truncation == "error":
+                raise RecipeError(f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+                                  "data.max_length or set data.truncation=right (cut) or drop")
+            if data.truncation == "drop" or last_image >= data.max_length:  # never cut through an image's tokens
+                report.dropped_over_length += 1
+                continue
+            ids, labels = ids[: data.max_length], labels[: data.max_length]
+            report.truncated += 1
+        targets = sum(1 for label in labels[1:] if label != IGNORE)
+        if not targets:
+            report.dropped_no_supervised_tokens += 1
+            continue
+        columns["input_ids"].append(ids)
+        columns["labels"].append(labels)
+        columns["images"].append([stored_image(ref, image, base) for ref, image in zip(refs, opened)])
+        columns["row"].append(where)
+        columns["length"].append(len(ids))  # length_grouped: given a processor, Trainer would measure pixel_values
+        report.tokens += len(ids)
+        report.target_tokens += targets
+    report.rows_kept = len(columns["input_ids"])
+    if not report.rows_kept:
+        raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
+    features = datasets.Features({
+        "input_ids": [datasets.Value("int32")], "labels": [datasets.Value("int32")],
+        "images": [{"bytes": datasets.Value("binary"), "path": datasets.Value("string")}],
+        "row": datasets.Value("string"), "length": datasets.Value("int32"),
+    })
+    return datasets.Dataset.from_dict(columns, features=features), report
+
+
+# ---- batches ----
+
+
+class VisionCollator:
+    """Wraps the text collator batching.prepare chose (padding, packing, micro-batch items): it pads the text columns,
+    this adds the image processor's tensors (pixel_values, …) for the batch's images, in row order."""
+
+    def __init__(self, text_collator, processor):
+        self.text_collator, self.image_processor = text_collator, processor.image_processor
+
+    def __call__(self, items: list):
+        nested = bool(items) and isinstance(items[0], list)  # token-budget batching: items are whole micro-batches
+        groups = items if nested else [items]
+        rows = [row for group in groups for row in group]
+        images = []
+        for row in rows:
+            try:
+                images.append([open_image(_as_ref(ref)) for ref in row["images"]])
+            except BadRow as e:
+                raise RecipeError(f"{row['row']}: {e}") from None
+        text = [[{k: v for k, v in r.items() if k not in EXTRA_COLUMNS} for r in group] for group in groups]
+        batch = self.text_collator(text if nested else text[0])
+        if any(images):
+            pixels = self.image_processor(images, return_tensors="pt")
+            batch.update({k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)})
+        return batch
+
+
+def _as_ref(stored: dict):
+    return stored.get("bytes") or stored.get("path")
