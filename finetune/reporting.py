@@ -12,9 +12,8 @@ from omegaconf import OmegaConf
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
-from finetune.config import Config, RecipeError
+from finetune.config import Config
 
 
 def is_main_process() -> bool:
@@ -67,19 +66,6 @@ def configure_wandb(cfg: Config) -> None:
 def wandb_run_dir(cfg: Config) -> str | None:
     runs = sorted(glob.glob(os.path.join(os.environ.get("WANDB_DIR", cfg.train.output_dir), "wandb", "*run-*")))
     return runs[-1] if runs else None
-
-
-def resume_path(cfg: Config) -> str | None:
-    resume = cfg.train.resume_from
-    if resume is None:
-        return None
-    if resume == "auto":
-        if not os.path.isdir(cfg.train.output_dir):
-            return None
-        return get_last_checkpoint(cfg.train.output_dir)  # newest checkpoint-N, or None: start fresh
-    if not os.path.isdir(resume):
-        raise RecipeError(f"train.resume_from={resume}: no such checkpoint directory; give a checkpoint-N folder or auto")
-    return resume
 
 
 class StepCountCheck(TrainerCallback):

@@ -1,0 +1,452 @@
+"""Checkpoints that are complete or absent, what resuming needs, and stopping cleanly on SIGTERM/SIGINT.
+
+What a checkpoint-N holds (see `RecipeTrainer._save_checkpoint`): the weights (model.safetensors, or the adapter's
+adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
+CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data position
+needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed from
+train.seed (finetune/batching.py), and a checkpoint is only ever taken between optimizer steps, so
+global_step × accumulation micro-batches into the epoch is the position (the Trainer skips them on resume) and the
+accumulation window starts empty. Every .pt/.pth loads with `torch.load(weights_only=True)`; training_args.bin is
+written by the Trainer (a pickle of TrainingArguments) and never loaded, by us or by the Trainer's resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from finetune.config import RecipeError, TrainConfig
+
+STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
+STATE_FILE = "finetune_state.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+# ---- complete or absent ----
+
+
+def staging_root(output_dir: str) -> str:
+    return os.path.join(output_dir, STAGING)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(staged: str, final: str) -> None:
+    """Move a fully written checkpoint folder into place in one rename (same filesystem: both in output_dir).
+
+    The files are flushed to disk first, so after a power loss the rename never points at empty files.
+    """
+    for folder, _, files in os.walk(staged):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
+    if os.path.exists(final):  # e.g. resumed from an older checkpoint: the new one replaces it
+        old = staged + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
+
+
+def is_complete(path: str) -> bool:
+    """Written by `commit`: our state file is the last file written before the rename."""
+    return os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+def checkpoints_in(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoint-N folders in output_dir, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resume_path(train: TrainConfig) -> str | None:
+    """The checkpoint train.resume_from names: auto = the newest complete one in train.output_dir (None: start fresh)."""
+    resume = train.resume_from
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = checkpoints_in(train.output_dir)
+        return found[-1][1] if found else None
+    if not os.path.isdir(resume):
+        raise RecipeError(f"train.resume_from={resume}: no such checkpoint folder; give a checkpoint-N folder or auto")
+    if not is_complete(resume):
+        raise RecipeError(
+            f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or trainer_state.json); give a "
+            "checkpoint-N folder written by finetune, or auto"
+        )
+    return resume
+
+
+def write_state(folder: str, state: dict) -> None:
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump(state, f, indent=1)
+
+
+def read_state(folder: str) -> dict:
+    with open(os.path.join(folder, STATE_FILE)) as f:
+        return json.load(f)
+
+
+def write_error(output_dir: str, what: str, error: OSError) -> RecipeError:
+    why = error.strerror or type(error).__name__
+    return RecipeError(
+        f"train.output_dir={output_dir}: writing {what} failed ({why}); free disk space or choose another "
+        "train.output_dir (nothing half-written was left there)"
+    )
+
+
+def check_writable(output_dir: str) -> None:
+    """Fail before training, not at the first save hours later."""
+    probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+    except OSError as e:
+        raise RecipeError(
+            f"train.output_dir={output_dir}: cannot write there ({e.strerror or type(e).__name__}); choose a "
+            "writable folder"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+
+
+def check_space(output_dir: str, model: torch.nn.Module) -> None:
+    """A checkpoint holds the weights and about two optimizer states per trainable weight (AdamW's moments)."""
+    params = list(model.parameters())
+    need = sum(p.numel() * p.element_size() for p in params) + sum(p.numel() * 8 for p in params if p.requires_grad)
+    free = shutil.disk_usage(output_dir).free
+    if free < need:
+        raise RecipeError(
+            f"train.output_dir={output_dir}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
+            f"{need / 2**30:.2f} GiB; free disk space or choose another train.output_dir"
+        )
+
+
+def save_final(trainer, texts: dict[str, str]) -> None:
+    """The trained model, trainer_state.json and `texts` ({file name: content}) into train.output_dir, written under
+    .staging first and then renamed file by file: each file in output_dir is whole, old or new."""
+    out = trainer.args.output_dir
+    staged = os.path.join(staging_root(out), "final")
+    if trainer.args.should_save:
+        shutil.rmtree(staged, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    try:
+        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        if trainer.args.should_save:
+            trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+            for name, text in texts.items():
+                with open(os.path.join(staged, name), "w") as f:
+                    f.write(text)
+    except OSError as e:
+        shutil.rmtree(staging_root(out), ignore_errors=True)
+        raise write_error(out, "the final model", e) from None
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        for name in sorted(os.listdir(staged)):
+            source, target = os.path.join(staged, name), os.path.join(out, name)
+            if os.path.isdir(source):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                _fsync(source)
+            os.replace(source, target)
+        _fsync(out)
+        shutil.rmtree(staging_root(out), ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+# ---- the same model ----
+
+
+def _saved_shapes(checkpoint: str) -> tuple[str, dict[str, tuple]] | None:
+    """(weights file, {name: shape}) from the safetensors headers; None for formats without one (FSDP, DeepSpeed)."""
+    from safetensors import safe_open
+
+    for base in ("adapter_model", "model"):
+        single = os.path.join(checkpoint, f"{base}.safetensors")
+        index = os.path.join(checkpoint, f"{base}.safetensors.index.json")
+        if os.path.isfile(single):
+            files = [single]
+        elif os.path.isfile(index):
+            with open(index) as f:
+                files = sorted({os.path.join(checkpoint, v) for v in json.load(f)["weight_map"].values()})
+        else:
+            continue
+        shapes = {}
+        for file in files:
+            with safe_open(file, framework="pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        return single if len(files) == 1 else index, shapes
+    return None
+
+
+def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tuple], dict[str, set[str]]]:
+    """({name: shape}, {name: the names sharing its storage}): a tied weight is saved under one of its names."""
+    if adapter:
+        from peft import get_peft_model_state_dict
+
+        return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}, {}
+    state = model.state_dict()
+    groups: dict[tuple, set[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel():
+            groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
+    aliases = {name: group for group in groups.values() for name in group}
+    return {k: tuple(v.shape) for k, v in state.items()}, aliases
+
+
+def check_same_model(checkpoint: str, model: torch.nn.Module) -> None:
+    """One clear error when a checkpoint's weights do not fit this model (another architecture, size or LoRA set-up)."""
+    saved = _saved_shapes(checkpoint)
+    if saved is None:
+        return
+    file, shapes = saved
+    adapter = os.path.basename(file).startswith("adapter_model")
+    if adapter != hasattr(model, "peft_config"):
+        kind = "LoRA adapter" if adapter else "full model"
+        raise RecipeError(
+            f"train.resume_from: {checkpoint} holds a {kind} checkpoint but this recipe trains "
+            f"{'a full model' if adapter else 'a LoRA adapter'}; set model.lora.enabled as when it was written, or "
+            "start fresh in another train.output_dir"
+        )
+    expected, aliases = _model_shapes(model, adapter)
+    wrong = [k for k in shapes if k in expected and shapes[k] != expected[k]]
+    extra = [k for k in shapes if k not in expected]
+    missing = [k for k in expected if not (aliases.get(k, {k}) & shapes.keys())]
+    if not (wrong or extra or missing):
+        return
+    if wrong:
+        k = wrong[0]
+        what = f"{k} has shape {list(shapes[k])} there but {list(expected[k])} in this model"
+    elif extra:
+        what = f"{len(extra)} tensors there are not in this model (e.g. {extra[0]})"
+    else:
+        what = f"{len(missing)} tensors of this model are not there (e.g. {missing[0]})"
+    raise RecipeError(
+        f"train.resume_from: {file} is from a different model ({what}); resume with the recipe that wrote it, or "
+        "start fresh in another train.output_dir"
+    )
+
+
+# ---- random number generators, without pickled objects ----
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch and CUDA generator states as tensors, ints and tuples: loads with weights_only=True."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def load_rng_state(file: str) -> None:
+    set_rng_state(torch.load(file, weights_only=True))
+
+
+# ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----
+
+
+class StopRequest:
+    """Set by SIGTERM or SIGINT; the trainer finishes its optimizer step, saves a checkpoint and stops.
+
+    A second SIGINT (Ctrl-C) stops at once, without saving.
+    """
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
+                  "(Ctrl-C again stops without saving)", file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    @contextlib.contextmanager
+    def installed(self):
+        main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+        if main_thread:
+            self.install()
+        try:
+            yield self
+        finally:
+            if main_thread:
+                self.uninstall()
+
+
+def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:
+    step = trainer.state.global_step
+    return (
+        f"stopped by {stop.signal_name} after optimizer step {step} of {trainer.state.max_steps}; checkpoint: "
+        f"{os.path.join(trainer.args.output_dir, f'checkpoint-{step}')}\nresume with: {resume_command(argv)}"
+    )
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that was run, with train.resume_from=auto: it continues from the newest checkpoint."""
+    args = [a for a in argv if not a.startswith("train.resume_from=")] + ["train.resume_from=auto"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the launcher's own options are not visible to a rank
+        return "accelerate launch [the same launch options] " + shlex.join([sys.argv[0], *args])
+    return shlex.join([sys.executable, sys.argv[0], *args])
+
+
+# ---- the Trainer's checkpoint hooks ----
+
+
+class AtomicCheckpoints:
+    """transformers.Trainer overrides (mixed in before it): checkpoints renamed into place when complete, RNG states
+    without pickled objects, and a resume checked against the model before anything is loaded into it.
+
+    `checkpoint_state()` / `restore_checkpoint_state(state)`: the subclass's counters, kept in finetune_state.json.
+    """
+
+    _staging = False
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def restore_checkpoint_state(self, state: dict) -> None:
+        pass
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, str):
+            check_same_model(resume_from_checkpoint, self.model)
+            self.restore_checkpoint_state(read_state(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_output_dir(self, trial):
+        run_dir = super()._get_output_dir(trial)
+        return staging_root(run_dir) if self._staging else run_dir
+
+    def _save_checkpoint(self, model, trial):
+        # transformers writes checkpoint-N in place, file after file: a kill mid-save leaves a folder that looks like a
+        # checkpoint and would be resumed from. The Trainer writes it under output_dir/.staging instead (through
+        # _get_output_dir); once every rank has written its part, rank 0 renames it into place, then rotates.
+        from transformers.trainer_utils import rotate_checkpoints
+
+        run_dir = super()._get_output_dir(trial)
+        name = f"checkpoint-{self.state.global_step}"
+        staged, final = os.path.join(staging_root(run_dir), name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
+            if self.args.should_save:
+                write_state(staged, self.checkpoint_state())  # last: it marks the folder complete
+                commit(staged, final)
+        except OSError as e:  # e.g. the disk is full: no half-written checkpoint stays behind
+            shutil.rmtree(staging_root(run_dir), ignore_errors=True)
+            raise write_error(run_dir, name, e) from None
+        finally:
+            self._staging = False
+        if self.args.should_save:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging_root(run_dir))  # when empty
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+
+    def _save_rng_state(self, output_dir):
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(rng_state(), os.path.join(output_dir, self._rng_file()))
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is None:
+            return
+        file = os.path.join(checkpoint, self._rng_file())
+        if not os.path.isfile(file):
+            print(f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
+                  "another number of ranks?)", file=sys.stderr)
+            return
+        load_rng_state(file)
+
+    def _rng_file(self) -> str:
+        return "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (ValueError, RuntimeError, KeyError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RecipeError(
+                f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
+                "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
+                "train.output_dir"
+            ) from None
+
+
+def epoch_seeded(sampler, seed: int):
+    """transformers' LengthGroupedSampler draws its order from the global torch generator, whose state at the start of
+    an epoch a resumed run cannot reproduce (pitfall 14); this one draws it from train.seed and the epoch."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+        def set_epoch(self, epoch: int) -> None:  # the Trainer calls it (through accelerate) before each epoch
+            self.generator = torch.Generator().manual_seed(seed + epoch)
+
+    if type(sampler) is not LengthGroupedSampler:
+        return sampler
+    seeded = EpochSeededLengthGroupedSampler(sampler.batch_size, lengths=sampler.lengths)
+    seeded.set_epoch(0)
+    return seeded

@@ -1,0 +1,204 @@
+"""Checkpoints are complete or absent, and a resumed run equals the uninterrupted one bitwise (CPU, fp32).
+
+The uninterrupted reference saves a checkpoint every step; a resumed run starts from a copy of one of them (or from
+what a killed or signalled run left) with train.resume_from=auto. Compared: the per-step logs (loss, grad norm, LR,
+label tokens, epoch, skip counter) and every weight, with ==.
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune import checkpoints
+from finetune.config import RecipeError, TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=4", "log.wandb_mode=disabled"]
+MODES = {
+    "padded": [],
+    "length_grouped": ["data.batching=length_grouped"],
+    "token_budget": ["data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"],
+    "packed": ["data.batching=packed"],
+}
+LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def step_logs(folder: Path) -> list[dict]:
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    return [{k: e.get(k) for k in LOGGED} for e in history if "loss" in e and "grad_norm" in e]
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    assert step_logs(folder) == step_logs(reference)
+    got, want = load_file(folder / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"weights differ bitwise: {different[:3]}"
+
+
+_references: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of a batching mode (trained in this process once), saving a checkpoint every step."""
+
+    def get(mode: str) -> Path:
+        if mode not in _references:
+            from finetune.train import train
+
+            out = tmp_path_factory.mktemp(f"reference-{mode}")
+            assert train(load_config([*COMMON, *MODES[mode], "train.save_steps=1", f"train.output_dir={out}"])) == 0
+            _references[mode] = out
+        return _references[mode]
+
+    return get
+
+
+def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(reference):
+    out = reference("padded")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [f"checkpoint-{k}" for k in
+                                                                                          (1, 2, 3, 4)]
+    assert not (out / checkpoints.STAGING).exists()
+    folder = out / "checkpoint-2"
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            checkpoints.STATE_FILE} <= names
+    assert not {"pytorch_model.bin", "model.bin"} & names  # weights only as safetensors
+    for state_file in folder.glob("*.p*"):  # optimizer.pt, scheduler.pt, rng_state.pth: no pickled objects
+        torch.load(state_file, weights_only=True)
+    rng = torch.load(folder / "rng_state.pth", weights_only=True)
+    assert {"python", "numpy", "cpu"} <= rng.keys()
+    before = np.random.get_state()
+    checkpoints.set_rng_state(rng)
+    kind, keys, pos, *_ = np.random.get_state()
+    assert (kind, int(pos)) == (rng["numpy"]["kind"], rng["numpy"]["pos"])
+    assert np.array_equal(keys, rng["numpy"]["keys"].numpy().astype(np.uint32))
+    np.random.set_state(before)
+    assert json.loads((folder / checkpoints.STATE_FILE).read_text()) == {"nonfinite_skipped": 0}
+
+
+@pytest.mark.parametrize(
+    "mode, start",
+    [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3)],  # padded 2: an epoch boundary
+)
+def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp_path):
+    from finetune.train import train
+
+    ref = reference(mode)
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(ref / f"checkpoint-{start}", out / f"checkpoint-{start}")
+    argv = [*COMMON, *MODES[mode], "train.save_steps=1", "train.save_total_limit=2", f"train.output_dir={out}",
+            "train.resume_from=auto"]
+    assert train(load_config(argv)) == 0
+    assert_same_run(out, ref)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
+
+
+def worker(kill_at: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "tests/resume_worker.py", kill_at, *COMMON, "train.save_steps=1", f"train.output_dir={out}",
+           "train.resume_from=auto", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path):
+    out = tmp_path / "killed"
+    first = worker("window:2", out)  # SIGKILL inside step 2's window: checkpoint-1 is the newest
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    second = worker("save:3", out)  # SIGKILL while checkpoint-3 is being written
+    assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-1'}" in second.stdout
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert (out / checkpoints.STAGING / "checkpoint-3" / "model.safetensors").is_file()  # half-written, not resumed
+    third = worker("none", out)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-2'}" in third.stdout
+    assert not (out / checkpoints.STAGING).exists()
+    assert_same_run(out, reference("padded"))
+
+
+def run_until_signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
+    """Start cmd, send `sig` once a stdout line contains after_line, return (exit code, stdout)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if after_line in line:
+            proc.send_signal(sig)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=600), "".join(lines)
+
+
+def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(reference, tmp_path):
+    out = tmp_path / "signalled"
+    argv = [*COMMON, f"train.output_dir={out}"]  # no train.save_steps: only the signal makes a checkpoint
+    code, stdout = run_until_signalled([sys.executable, "finetune/train.py", *argv], signal.SIGTERM, "step 1/4")
+    assert code == 0, stdout[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d) of 4; checkpoint: (\S+)", stdout)
+    assert stopped, stdout[-3000:]
+    assert Path(stopped.group(2)) == out / f"checkpoint-{stopped.group(1)}" and Path(stopped.group(2)).is_dir()
+    assert not (out / "model.safetensors").exists()  # not the end of training: no final model
+    command = re.search(r"^resume with: (.+)$", stdout, re.M).group(1)
+    assert shlex.split(command) == [sys.executable, "finetune/train.py", *argv, "train.resume_from=auto"]
+
+    code, stdout = run_until_signalled(shlex.split(command), signal.SIGINT, "resuming from")  # during start-up
+    assert code == 0 and "stopped by SIGINT" in stdout, stdout[-3000:]
+    finished = subprocess.run(shlex.split(command), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert_same_run(out, reference("padded"))
+
+
+def test_soak_quick_resumes_every_kill_identically():
+    result = subprocess.run([sys.executable, "scripts/soak_resume.py", "--quick", "--seed", "1"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2/2 kills resumed identically" in result.stdout
+
+
+def complete(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / checkpoints.STATE_FILE).write_text("{}")
+    return folder
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
+    train = TrainConfig(output_dir=str(tmp_path), resume_from="auto")
+    assert checkpoints.resume_path(train) is None  # nothing there: a fresh start
+    complete(tmp_path / "checkpoint-2")
+    newest = complete(tmp_path / "checkpoint-10")
+    (tmp_path / "checkpoint-12").mkdir()  # a folder without its state files (not written by commit)
+    complete(tmp_path / checkpoints.STAGING / "checkpoint-14")  # written, never renamed into place
+    complete(tmp_path / "checkpoint-x")
+    assert checkpoints.resume_path(train) == str(newest)
+    train.resume_from = str(tmp_path / "checkpoint-12")
+    with pytest.raises(RecipeError, match="checkpoint-12: not a complete checkpoint"):
+        checkpoints.resume_path(train)
+    train.resume_from = str(tmp_path / "nowhere")
+    with pytest.raises(RecipeError, match="no such checkpoint folder"):
+        checkpoints.resume_path(train)
+
+
+def test_commit_replaces_an_existing_checkpoint_whole(tmp_path):
+    old = complete(tmp_path / "checkpoint-3")
+    (old / "stale.txt").write_text("old")
+    staged = complete(tmp_path / checkpoints.STAGING / "checkpoint-3")
+    (staged / "model.safetensors").write_bytes(b"new")
+    checkpoints.commit(str(staged), str(old))
+    assert not staged.exists() and not (old / "stale.txt").exists()
+    assert (old / "model.safetensors").read_bytes() == b"new"
