@@ -41,6 +41,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     freeze: list[str] = field(default_factory=list)  # module-name prefixes whose parameters do not train
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Set (SiglipVisionConfig fields) to assemble a LLaVA: this language model + a vision tower built from this config
+    # (random init, cached once). Empty: a VLM name_or_path (hub id or folder) is used as it is.
+    vision_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,7 +134,7 @@ class Config:
     recipe: Optional[str] = None  # the YAML file this config came from
 
 
-OPEN_DICTS = ("model.config_overrides", "optim.lr_multipliers")
+OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers")
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),

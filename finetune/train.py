@@ -37,10 +37,11 @@ def build(cfg: Config, callbacks: tuple = ()):
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import PrinterCallback, TrainingArguments, set_seed
 
-    from finetune import batching, models, reporting, schedules
+    from finetune import batching, models, reporting, schedules, vlm
     from finetune.data import load_sft_dataset
     from finetune.streaming import stream_sft_dataset
     from finetune.trainer import RecipeTrainer
+    from finetune.vision_data import VisionCollator, load_vision_dataset
 
     ranks = data_parallel_ranks()
     accumulation = accumulation_steps(cfg, ranks)
@@ -48,17 +49,20 @@ def build(cfg: Config, callbacks: tuple = ()):
 
     # model and tokenizer (a GGUF is converted once into a plain folder in the cache)
     folder = models.model_folder(cfg.model)
-    tokenizer = models.load_tokenizer(cfg.model, folder)
+    vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows (finetune/vlm.py)
+    tokenizer = vlm.load_processor(cfg.model, folder) if vision else models.load_tokenizer(cfg.model, folder)
     set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
-    model = models.load_model(cfg.model, folder)
+    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else models.load_model(cfg.model, folder)
 
     # data and batching
     if cfg.data.streaming:
         dataset, report = stream_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
     else:
-        dataset, report = load_sft_dataset(cfg.data, tokenizer)
+        dataset, report = (load_vision_dataset if vision else load_sft_dataset)(cfg.data, tokenizer)
     reporting.main_print(f"data: {report.summary()}")
-    batches = batching.prepare(cfg, dataset, tokenizer)
+    batches = batching.prepare(cfg, dataset, tokenizer.tokenizer if vision else tokenizer)
+    if vision:  # the image processor's tensors join each text batch
+        batches.collator = VisionCollator(batches.collator, tokenizer)
     total_steps = batching.count_optimizer_steps(cfg, batches, ranks, accumulation)
 
     # learning rate and schedule, from the effective batch
