@@ -21,6 +21,12 @@ def errors_in(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"^  relative error (\S+)", output, flags=re.M)]
 
 
+def weights_in(output: str) -> list[list[float]]:
+    """Per step, the micro-batch weights verify fitted (1 when every target token counts once)."""
+    lines = re.findall(r"^  micro-batch weights \(.*?\): ([\d. ]+?)  \(", output, flags=re.M)
+    return [[float(w) for w in line.split()] for line in lines]
+
+
 def run(cmd, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -34,7 +40,18 @@ def test_passes_on_the_debug_recipe_with_clipping(capsys):
     assert len(errors) == 2 and max(errors) <= 1e-5
     # the debug recipe clips (max_grad_norm 1) and the windows are the recipe's 8 sequences
     assert len(re.findall(r"^step \d: 8 sequences, \d+ target tokens from 1 rank, clipped ×", out, flags=re.M)) == 2
+    assert all(w == pytest.approx(1, abs=1e-6) for step in weights_in(out) for w in step)
+    assert [len(step) for step in weights_in(out)] == [2, 2]  # micro 4 × accumulation 2
     assert "verify: PASS" in out
+
+
+def test_bf16_passes_within_its_documented_tolerance(capsys):
+    code = verify.main([DEBUG, "train.precision=bf16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # bf16 rounding is visible (far above fp32's 1e-7) yet within bf16's tolerance; the weights stay near 1
+    assert 1e-4 < errors_in(out)[0] <= verify.TOLERANCES["bf16"]
+    assert all(abs(w - 1) <= verify.WEIGHT_TOLERANCES["bf16"] for w in weights_in(out)[0])
 
 
 def test_passes_on_packed_budgeted_rows_with_lora(capsys):
@@ -65,6 +82,9 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     assert code == 1, out
     assert errors_in(out)[0] > 1e-2
     assert "verify: FAIL" in out and "above tolerance" in out
+    # each micro-batch's tokens weighted by window tokens / (accumulation × its own tokens), not by 1
+    (weights,) = weights_in(out)
+    assert len(weights) == 2 and min(weights) < 0.95 and max(weights) > 1.05
 
 
 @pytest.mark.parametrize(
@@ -100,3 +120,5 @@ def test_two_ranks_through_accelerate_launch():
     # both ranks' rows were gathered: the whole window of 8 sequences, 284 targets, as on one process
     assert "8 sequences, 284 target tokens from 2 ranks" in result.stdout
     assert max(errors_in(result.stdout)) <= 1e-5
+    (weights,) = weights_in(result.stdout)  # one micro-batch of 4 per rank
+    assert len(weights) == 2 and all(w == pytest.approx(1, abs=1e-6) for w in weights)
