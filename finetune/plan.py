@@ -74,10 +74,10 @@ def split_args(argv: list[str]) -> tuple[list[str], dict]:
     rest, options = [], {"headroom": HEADROOM, "memory_gib": None, "ranks": None}
     for arg in argv:
         key, _, value = arg.partition("=")
-        name = key.strip().removeprefix("plan.")
         if not key.strip().startswith("plan."):
             rest.append(arg)
             continue
+        name = key.strip().removeprefix("plan.")
         if name not in options:
             raise RecipeError(f"unknown key '{key}'; plan takes plan.headroom, plan.memory_gib and plan.ranks")
         try:
@@ -140,7 +140,7 @@ def available_bytes(device) -> tuple[float, str]:
     import torch
 
     if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory), f"{torch.cuda.get_device_name(device)}"
+        return float(torch.cuda.get_device_properties(device).total_memory), torch.cuda.get_device_name(device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     held = psutil.Process().memory_info().rss
     room = (held + psutil.virtual_memory().available) / local
@@ -283,9 +283,10 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
 
     key, unit, total, values = candidates(cfg, ranks)
     trials = trials or Trials(cfg, values[0])
-    base, base_text = available_bytes(trials.device)
     if memory_gib:
         base, base_text = memory_gib * GIB, f"plan.memory_gib={memory_gib:g}"
+    else:
+        base, base_text = available_bytes(trials.device)
     limit = (1 - headroom) * base
     limit_text = f"{1 - headroom:.0%} of {base / GIB:.2f} GiB, {base_text}"
     ddp = trials.gradient_bytes if ranks > 1 else 0  # DDP's gradient buckets, absent from single-process trials

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from finetune import plan as planner
@@ -87,6 +88,36 @@ def test_candidates_and_search():
     assert values[planner.largest_fitting(values, fits)] == 6 and len(tried) <= 4
     assert planner.largest_fitting(values, lambda v: False) is None
     assert planner.fit_line({100: 1000.0, 200: 1500.0, 400: 2500.0}) == pytest.approx((500.0, 5.0))
+
+
+class GpuLikeTrials:
+    """The GPU branch without a GPU: out of memory above 12 sequences, 1 GiB + 0.1 GiB per sequence below."""
+
+    on_gpu, oom, gradient_bytes, device = True, torch.OutOfMemoryError, 0, "cuda:0"
+    longest = {"input_ids": [0] * 100}
+
+    def __init__(self):
+        self.tried = []
+
+    def tokens(self, value):
+        return 100 * value
+
+    def peak(self, value):
+        self.tried.append(value)
+        if value > 12:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 0.5 * GIB, (1 + 0.1 * value) * GIB
+
+
+def test_gpu_search_treats_out_of_memory_as_not_fitting():
+    cfg = load_config([DEBUG, "train.global_batch_size=48"])
+    trials = GpuLikeTrials()
+    result = planner.plan(cfg, 1, headroom=0.1, memory_gib=100, trials=trials)
+    assert (result.value, result.accumulation) == (12, 4)  # 16, 24 and 48 ran out of memory
+    assert result.peak_bytes == pytest.approx(2.2 * GIB) and result.measured[16] == float("inf")
+    assert len(trials.tried) <= 5  # a binary search over 10 candidates, not one trial each
+    # no out-of-memory but over the limit does not fit either: 1 + 0.1 × 8 = 1.8 GiB > 0.9 × 1.9 GiB ≥ 1.6 GiB
+    assert planner.plan(cfg, 1, headroom=0.1, memory_gib=1.9, trials=GpuLikeTrials()).value == 6
 
 
 def test_auto_micro_batch_in_training(tmp_path):
