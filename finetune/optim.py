@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from finetune.config import OptimConfig, RecipeError
+from finetune.models import matches_prefix
 
 NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")
 
@@ -30,8 +31,9 @@ def is_exempt(module: nn.Module, param_name: str) -> bool:
 
 
 def lr_multiplier(name: str, multipliers: dict[str, float]) -> float:
-    """The factor of the longest module-name prefix of `name` in optim.lr_multipliers (1 if none)."""
-    matches = [p for p in multipliers if name == p or name.startswith(p + ".")]
+    """The factor of the longest module-name prefix of `name` in optim.lr_multipliers (1 if none); prefixes match as
+    model.freeze's do (`multi_modal_projector` finds `model.multi_modal_projector.…`, also inside peft)."""
+    matches = [p for p in multipliers if matches_prefix(name, p)]
     return float(multipliers[max(matches, key=len)]) if matches else 1.0
 
 
@@ -54,7 +56,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig, lr: float) -> list[dict]:
             )
             group["params"].append(param)
             group["names"].append(name)
-    unmatched = [p for p in cfg.lr_multipliers if not any(n == p or n.startswith(p + ".") for g in groups.values()
+    unmatched = [p for p in cfg.lr_multipliers if not any(matches_prefix(n, p) for g in groups.values()
                                                         for n in g["names"])]
     if unmatched:
         raise RecipeError(

@@ -369,6 +369,13 @@ def test_lr_multiplier_reaches_the_projector_by_its_module_name(processor):
     assert fast and all(n.startswith("model.multi_modal_projector.") for g in fast for n in g["names"])
     assert {n for g in fast for n in g["names"]} == {n for n, _ in prepared(processor).named_parameters()
                                                      if n.startswith("model.multi_modal_projector.")}
+    # the short name matches as model.freeze's prefixes do, also under LoRA (peft's modules_to_save copy)
+    short = param_groups(prepared(processor), OptimConfig(lr_multipliers={"multi_modal_projector": 10}), 1e-3)
+    assert [sorted(g["names"]) for g in short] == [sorted(g["names"]) for g in groups]
+    lora = prepared(processor, freeze=("vision_tower",), lora=True)
+    fast = [g for g in param_groups(lora, OptimConfig(lr_multipliers={"multi_modal_projector": 10}), 1e-3)
+            if g["lr"] == pytest.approx(1e-2)]
+    assert fast and all("multi_modal_projector.modules_to_save" in n for g in fast for n in g["names"])
 
 
 # ---- through the recipe: a VLM folder (the hub path), two ranks, recipes/vlm.yaml ----
