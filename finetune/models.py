@@ -46,13 +46,9 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
     if Path(source).is_dir() and not local.is_file():
         raise RecipeError(f"model.gguf_file={gguf_file}: no such file in {source}")
     stamp = f"{source}|{gguf_file}|{local.stat().st_size if local.is_file() else ''}"
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    folder = cache_dir() / "models" / f"{Path(gguf_file).stem}-{key}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):  # ranks started together convert once
-        if (folder / "config.json").is_file():
-            return folder
-        print(f"converting {gguf_file} once into a plain model folder: {folder}", flush=True)
+
+    def convert(scratch: Path) -> None:
+        print(f"converting {gguf_file} once into a plain model folder in {cache_dir() / 'models'}", flush=True)
         kwargs = dict(gguf_file=gguf_file, trust_remote_code=trust_remote_code)
         dequantized = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -62,14 +58,27 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(dequantized.state_dict())
         plain.generation_config = dequantized.generation_config
-        scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
-        try:
-            plain.save_pretrained(scratch)  # safetensors
-            tokenizer.save_pretrained(scratch)
-            os.replace(scratch, folder)  # complete or absent
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return folder
+        plain.save_pretrained(scratch)  # safetensors
+        tokenizer.save_pretrained(scratch)
+
+    return cached_folder(Path(gguf_file).stem, stamp, convert)
+
+
+def cached_folder(name: str, stamp: str, build) -> Path:
+    """A model folder built once into the cache by `build(scratch_dir)`, keyed by `stamp`: under a file lock (ranks
+    started together build once), in a scratch folder renamed into place (complete or absent)."""
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    folder = cache_dir() / "models" / f"{name}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "config.json").is_file():
+            scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
+            try:
+                build(scratch)
+                os.replace(scratch, folder)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return folder
 
 
 def model_folder(cfg: ModelConfig) -> str:

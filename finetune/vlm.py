@@ -9,19 +9,16 @@ FINETUNE_CACHE. Then, as for a hub VLM id or folder, AutoProcessor and AutoModel
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.config import Config, ModelConfig, RecipeError
-from finetune.models import DTYPES, cache_dir, freeze
+from finetune.models import DTYPES, cached_folder, freeze
 
 IMAGE_TOKEN = "<image>"
 ASSEMBLY_VERSION = 1  # part of the cache key: bump when the assembly below changes
@@ -79,25 +76,15 @@ def vision_tower_config(values: dict[str, Any]):
 
 def assembled_folder(cfg: ModelConfig, lm_folder: str) -> Path:
     """The LLaVA assembled from `lm_folder` and `model.vision_config`, built once in the cache (file lock, rename)."""
-    from filelock import FileLock
-
     stamp = json.dumps([ASSEMBLY_VERSION, str(lm_folder), dict(sorted(cfg.vision_config.items()))], default=str)
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    folder = cache_dir() / "models" / f"llava-{Path(str(lm_folder)).name}-{key}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):  # ranks started together assemble once
-        if not (folder / "config.json").is_file():
-            vision = vision_tower_config(cfg.vision_config)
-            print(f"assembling a LLaVA (language model {lm_folder} + SigLIP tower) once: {folder}", flush=True)
-            scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".assembling-"))
-            try:
-                model, processor = assemble(lm_folder, vision, cfg.trust_remote_code)
-                model.save_pretrained(scratch)
-                processor.save_pretrained(scratch)
-                os.replace(scratch, folder)  # complete or absent
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-    return folder
+
+    def build(scratch: Path) -> None:
+        print(f"assembling a LLaVA (language model {lm_folder} + SigLIP tower) once, in the cache", flush=True)
+        model, processor = assemble(lm_folder, vision_tower_config(cfg.vision_config), cfg.trust_remote_code)
+        model.save_pretrained(scratch)
+        processor.save_pretrained(scratch)
+
+    return cached_folder(f"llava-{Path(str(lm_folder)).name}", stamp, build)
 
 
 def assemble(lm_folder: str, vision, trust_remote_code: bool = False):
