@@ -7,13 +7,15 @@ The recipe runs as training runs it (`finetune.train.build`: model, data, batchi
 for `verify.steps` optimizer steps (default 1). Just before each optimizer step the applied gradient is captured and
 compared with a reference computed here from the rows that window really held (gathered from every rank): each
 sequence alone, unpadded, in float64 (float32 when the model does not fit), with the loss written out in this file
-(not `finetune.loss`), then clipped by the factor the trainer clipped with (`train.max_grad_norm`). Exit 0 when both
-checks pass, 1 when one fails, 2 for a recipe error:
+(not `finetune.loss`), then clipped by the factor the trainer clipped with (`train.max_grad_norm`). A row becomes
+model inputs through the recipe's own collator given that one row (nothing to pad or pack), so image rows of a VLM
+recipe come with their pixel values. Exit 0 when both checks pass, 1 when one fails, 2 for a recipe error:
 
 - relative error ‖applied − reference‖ / ‖reference‖ (also per parameter group), within the tolerance of the lowest
-  precision among `train.precision` and `model.dtype`: fp32 1e-5 (measured ~3e-7 on the debug recipe); bf16 5e-2
-  (measured 5e-3 on the 2-layer debug model, 3e-2 on SmolLM2-135M's 30 layers: rounding grows with depth); fp16 1e-2
-  (3 more mantissa bits than bf16; not measured here). `verify.tolerance=` overrides it.
+  precision among `train.precision` and `model.dtype`: fp32 1e-5 (measured 3e-7 on the debug recipe, 3e-6 on
+  SmolLM2-135M, 9e-6 on the SmolLM2 + SigLIP VLM recipe: rounding grows with depth); bf16 5e-2 (measured 5e-3 on the
+  2-layer debug model, 3e-2 on SmolLM2-135M); fp16 1e-2 (3 more mantissa bits than bf16; not measured here: it needs
+  a GPU). `verify.tolerance=` overrides it.
 - micro-batch weights: the least-squares w with applied ≈ Σ_k w_k × reference_k over the window's micro-batches (all
   ranks). Every w_k is 1 when every target token counts once, up to rounding (fp32: 1e-7; bf16: 3e-3 on the debug
   model, 1e-2 on SmolLM2-135M with 60 targets), within WEIGHT_TOLERANCES; a normalization bug moves them far (a mean of
@@ -33,7 +35,7 @@ import tempfile
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from finetune.config import Config, RecipeError, load_config
+from finetune.config import Config, RecipeError, is_budgeted, load_config
 
 TOLERANCES = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 # Largest |w - 1| of the micro-batch weights (`micro_batch_weights`): rounding barely moves them, normalization bugs do
@@ -106,7 +108,7 @@ def silence_dropout(model) -> None:
 
 
 class WindowRecorder:
-    """Rows of every micro-batch as the collator saw them (before padding or packing), grouped per fetched window.
+    """Rows of every micro-batch as the collator got them (before padding or packing), grouped per fetched window.
 
     The collator runs one micro-batch ahead of the loop (accelerate's look-ahead), so rows wait in a queue until
     `get_batch_samples` says how many micro-batches the window took.
@@ -115,11 +117,12 @@ class WindowRecorder:
     def __init__(self, trainer):
         self.pending: deque = deque()
         self.windows: list[list[list[dict]]] = []  # per window: its micro-batches' rows
-        collate, fetch = trainer.data_collator, trainer.get_batch_samples
+        self.collate = collate = trainer.data_collator
+        fetch = trainer.get_batch_samples
 
         def recording_collator(features):
             rows = [row for item in features for row in (item if isinstance(item, list) else [item])]
-            self.pending.append([{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in rows])
+            self.pending.append([dict(row) for row in rows])
             return collate(features)
 
         def recording_fetch(epoch_iterator, num_batches, device):
@@ -203,8 +206,8 @@ def reference_placement(model, trainable: int):
                       "neither the accelerator nor the free RAM; verify a smaller model or free memory")
 
 
-def reference_gradient(model, micro_batches: list[list[dict]], dtype, device, keep_parts: bool):
-    """Token-mean next-token cross-entropy over all rows, each sequence alone.
+def reference_gradient(model, micro_batches: list[list[dict]], inputs_of, dtype, device, keep_parts: bool):
+    """Token-mean next-token cross-entropy over all rows, each sequence alone (`inputs_of(row)`: its model inputs).
 
     Returns ({name: grad}, mean loss, targets, per-micro-batch gradients (float32, CPU) or None).
     """
@@ -217,12 +220,11 @@ def reference_gradient(model, micro_batches: list[list[dict]], dtype, device, ke
     loss_sum, parts, previous = 0.0, [], {}
     for micro_batch in micro_batches:
         for row in micro_batch:
-            ids = torch.tensor([row["input_ids"]], device=device)
             targets = torch.tensor(row["labels"][1:], device=device)  # position t predicts token t + 1
             picked = targets != IGNORE_INDEX
             if not picked.any():
                 continue
-            out = model(input_ids=ids)
+            out = model(**inputs_of(row))
             logits = (out.logits if hasattr(out, "logits") else out["logits"])[0, :-1]
             log_probs = torch.log_softmax(logits[picked].to(dtype), dim=-1)
             sequence_loss = -log_probs.gather(1, targets[picked].unsqueeze(1)).sum()
@@ -302,6 +304,14 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     model.to(device=device, dtype=dtype)
     model.train()
     print(f"verify: reference in {str(dtype).removeprefix('torch.')} on {device}, one sequence at a time", flush=True)
+
+    def inputs_of(row: dict) -> dict:
+        """One row alone as the model takes it (images included), no labels: the recipe's collator on one row pads
+        nothing and packs nothing."""
+        batch = recorder.collate([[row]] if is_budgeted(cfg.data) else [row])
+        return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                for k, v in batch.items() if k != "labels" and isinstance(v, torch.Tensor)}
+
     checks = []
     for capture_k in capture.captures:
         with torch.no_grad():
@@ -309,7 +319,7 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
                 trainable[name].copy_(value)
         micro_batches = capture_k["rows"]
         keep_parts = len(micro_batches) * n_trainable * 4 <= psutil.virtual_memory().available / 4
-        reference, loss, targets, parts = reference_gradient(model, micro_batches, dtype, device, keep_parts)
+        reference, loss, targets, parts = reference_gradient(model, micro_batches, inputs_of, dtype, device, keep_parts)
         clip, norms = 1.0, None
         if capture_k["norm"] is not None:
             norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))
