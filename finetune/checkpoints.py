@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,6 +105,17 @@ def resume_path(train: TrainConfig) -> str | None:
     return resume
 
 
+def start_line(train: TrainConfig, resume: str | None) -> str | None:
+    """What the run starts from, when there is something to say."""
+    if resume:
+        return f"resuming from {resume}"
+    found = checkpoints_in(train.output_dir)
+    if found and train.resume_from is None:
+        return (f"note: {train.output_dir} holds checkpoints up to checkpoint-{found[-1][0]}; starting fresh and "
+                "overwriting them (train.resume_from=auto continues from the newest)")
+    return None
+
+
 def write_state(folder: str, state: dict) -> None:
     with open(os.path.join(folder, STATE_FILE), "w") as f:
         json.dump(state, f, indent=1)
@@ -114,8 +126,15 @@ def read_state(folder: str) -> dict:
         return json.load(f)
 
 
-def write_error(output_dir: str, what: str, error: OSError) -> RecipeError:
-    why = error.strerror or type(error).__name__
+def write_failure(error: Exception) -> str | None:
+    """Why a save failed, if it failed to write (full disk, quota, file size limit); None for any other error."""
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    match = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(error).splitlines()[0] if str(error) else "")
+    return match.group(1) if match else None  # safetensors reports write errors as SafetensorError
+
+
+def write_error(output_dir: str, what: str, why: str) -> RecipeError:
     return RecipeError(
         f"train.output_dir={output_dir}: writing {what} failed ({why}); free disk space or choose another "
         "train.output_dir (nothing half-written was left there)"
@@ -123,7 +142,10 @@ def write_error(output_dir: str, what: str, error: OSError) -> RecipeError:
 
 
 def check_writable(output_dir: str) -> None:
-    """Fail before training, not at the first save hours later."""
+    """Fail before training, not at the first save hours later; a folder made for the test is removed again."""
+    missing = [p for p in [output_dir, *map(str, Path(output_dir).parents)] if not os.path.exists(p)]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        missing = []  # another rank may be probing the same folder: leave it
     probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -137,6 +159,9 @@ def check_writable(output_dir: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.remove(probe)
+        for folder in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def check_space(output_dir: str, model: torch.nn.Module) -> None:
@@ -166,9 +191,11 @@ def save_final(trainer, texts: dict[str, str]) -> None:
             for name, text in texts.items():
                 with open(os.path.join(staged, name), "w") as f:
                     f.write(text)
-    except OSError as e:
+    except Exception as e:
+        if write_failure(e) is None:
+            raise
         shutil.rmtree(staging_root(out), ignore_errors=True)
-        raise write_error(out, "the final model", e) from None
+        raise write_error(out, "the final model", write_failure(e)) from None
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
         for name in sorted(os.listdir(staged)):
@@ -396,9 +423,11 @@ class AtomicCheckpoints:
             if self.args.should_save:
                 write_state(staged, self.checkpoint_state())  # last: it marks the folder complete
                 commit(staged, final)
-        except OSError as e:  # e.g. the disk is full: no half-written checkpoint stays behind
+        except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
+            if write_failure(e) is None:
+                raise
             shutil.rmtree(staging_root(run_dir), ignore_errors=True)
-            raise write_error(run_dir, name, e) from None
+            raise write_error(run_dir, name, write_failure(e)) from None
         finally:
             self._staging = False
         if self.args.should_save:

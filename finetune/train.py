@@ -126,8 +126,8 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
         trainer.stop_request = stop
         checkpoints.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
-        if resume:
-            reporting.main_print(f"resuming from {resume}")
+        if line := checkpoints.start_line(cfg.train, resume):
+            reporting.main_print(line)
         trainer.train(resume_from_checkpoint=resume)
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(checkpoints.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))

@@ -283,10 +283,22 @@ class RecipeTrainer(AtomicCheckpoints, TokenNormTrainer):
         return epoch_seeded(super()._get_train_sampler(train_dataset), self.args.seed)
 
     def checkpoint_state(self) -> dict:
-        return {"nonfinite_skipped": self.nonfinite_skipped}
+        return {"nonfinite_skipped": self.nonfinite_skipped, "data_position": self._data_position()}
 
     def restore_checkpoint_state(self, state: dict) -> None:
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        # The Trainer skips global_step × accumulation micro-batches into the epoch: the same position only if these
+        # agree (another data.limit, seed or number of ranks resumes somewhere else, silently).
+        saved, now = state.get("data_position", {}), self._data_position()
+        changed = [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        if changed:
+            logger.warning(f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
+                           "wrote the checkpoint")
+
+    def _data_position(self) -> dict:
+        return {"dataset_items": len(self.train_dataset), "seed": self.args.seed, "ranks": self.args.world_size,
+                "micro_batches_per_step": self.args.gradient_accumulation_steps,
+                "items_per_micro_batch": self.args.per_device_train_batch_size}
 
     # ---- once per optimizer step: non-finite values, stop requests ----
 

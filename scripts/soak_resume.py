@@ -118,8 +118,10 @@ def run_segment(cmd: list[str], out: Path, log: Path, kill: str | None, step_tim
             delay = rng.uniform(0.0, 1.5 * step_time)
         time.sleep(delay)
         if proc.poll() is None:
+            saving = (out / ".staging").is_dir() and any((out / ".staging").iterdir())
             proc.send_signal(signal.SIGKILL)
-            segment.kill = f"{kill} kill, {delay:.2f} s after {'a save began' if kill == 'save' else 'its first save'}"
+            after = "a save began" if kill == "save" else "its first checkpoint"
+            segment.kill = f"{kill} kill {delay:.2f} s after {after} ({'mid-save' if saving else 'no save under way'})"
     proc.wait()
     if segment.kill is None and proc.returncode != 0:
         sys.exit(f"a resumed run failed (exit {proc.returncode}); see {log}")

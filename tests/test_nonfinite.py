@@ -66,7 +66,7 @@ def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path)
     final = load_file(tmp_path / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in final.values())
     assert not all(torch.equal(final[n], after_2[n]) for n in final)  # step 3 trained normally
-    assert json.loads((tmp_path / "checkpoint-3" / "finetune_state.json").read_text()) == {"nonfinite_skipped": 1}
+    assert json.loads((tmp_path / "checkpoint-3" / "finetune_state.json").read_text())["nonfinite_skipped"] == 1
 
 
 def test_stop_exits_3_with_one_line_naming_the_step_and_saves_nothing_new(poison, tmp_path, capsys):

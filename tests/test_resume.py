@@ -87,7 +87,9 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
     assert (kind, int(pos)) == (rng["numpy"]["kind"], rng["numpy"]["pos"])
     assert np.array_equal(keys, rng["numpy"]["keys"].numpy().astype(np.uint32))
     np.random.set_state(before)
-    assert json.loads((folder / checkpoints.STATE_FILE).read_text()) == {"nonfinite_skipped": 0}
+    state = json.loads((folder / checkpoints.STATE_FILE).read_text())
+    assert state == {"nonfinite_skipped": 0, "data_position": {"dataset_items": 16, "seed": 0, "ranks": 1,
+                                                               "micro_batches_per_step": 2, "items_per_micro_batch": 4}}
 
 
 @pytest.mark.parametrize(
@@ -106,6 +108,21 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
     assert train(load_config(argv)) == 0
     assert_same_run(out, ref)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
+
+
+def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
+    from finetune import trainer as trainer_module
+    from finetune.train import build
+
+    state = checkpoints.read_state(str(reference("padded") / "checkpoint-2"))
+    warnings = []
+    monkeypatch.setattr(trainer_module.logger, "warning", warnings.append)
+    same = build(load_config([*COMMON, f"train.output_dir={tmp_path}"]))
+    same.restore_checkpoint_state(state)
+    assert warnings == []
+    other = build(load_config([*COMMON, "data.limit=12", f"train.output_dir={tmp_path}"]))
+    other.restore_checkpoint_state(state)
+    assert len(warnings) == 1 and warnings[0].startswith("resuming with dataset_items 16 → 12: the data order")
 
 
 def worker(kill_at: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -202,3 +219,33 @@ def test_commit_replaces_an_existing_checkpoint_whole(tmp_path):
     checkpoints.commit(str(staged), str(old))
     assert not staged.exists() and not (old / "stale.txt").exists()
     assert (old / "model.safetensors").read_bytes() == b"new"
+
+
+def test_the_package_loads_no_pickle_and_trusts_no_remote_code_unless_the_recipe_says_so():
+    """Every torch.load in finetune/ passes weights_only=True; no pickle, no unsafe YAML; trust_remote_code comes from
+    the recipe (default False), never a literal True."""
+    import ast
+
+    from finetune.config import ModelConfig
+
+    assert ModelConfig().trust_remote_code is False
+    problems = []
+    for source in sorted((ROOT / "finetune").glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                problems += [f"{source.name}: imports pickle" for n in names if n.split(".")[0] in ("pickle", "dill")]
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            keywords = {k.arg: k.value for k in node.keywords}
+            if name.endswith("torch.load") and not (
+                isinstance(keywords.get("weights_only"), ast.Constant) and keywords["weights_only"].value is True
+            ):
+                problems.append(f"{source.name}:{node.lineno}: torch.load without weights_only=True")
+            if name in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"):
+                problems.append(f"{source.name}:{node.lineno}: {name}")
+            remote = keywords.get("trust_remote_code")
+            if isinstance(remote, ast.Constant) and remote.value is True:
+                problems.append(f"{source.name}:{node.lineno}: trust_remote_code=True")
+    assert problems == []
