@@ -99,3 +99,16 @@ def test_a_model_that_changes_logits_after_the_head_gets_its_logits_used(tmp_pat
         grads, _ = reference_gradient(model_at(initial, snapshots[k]), window, forward=scaled)
         applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}
         assert relative_error(applied, grads) <= 1e-5
+
+
+def test_no_step_makes_logits_for_every_kept_position(tmp_path):
+    """The probe feeds the head one row; training forwards pass hidden states through it: the head never makes
+    [tokens × vocab] logits (the memory a large micro-batch's first step would otherwise need)."""
+    model = tiny_llama()
+    vocab = model.config.vocab_size
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
+    train_recording(TokenNormTrainer, model, ragged_rows(8, seed=2), tmp_path, 2, 2)
+    logits_shapes = [s for s in shapes if s[-1] == vocab]
+    assert logits_shapes == [(1, vocab)], logits_shapes
+    assert len(shapes) == 1 + 4  # the probe, then 4 micro-batches of hidden states
