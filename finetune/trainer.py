@@ -170,31 +170,36 @@ class TokenNormTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _forward(self, model, inputs: dict, chunked: bool):
-        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None).
-
-        The first chunked forward probes: it runs the model whole with a hook on the LM head, and if the model returned
-        the head's output unchanged, its loss too comes from the head's input through the chunked head, so every
-        step takes the same numerical path (a resumed run's first step equals the uninterrupted run's bit for bit).
-        """
-        if not chunked or self._chunked_head is False:
+        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None)."""
+        if chunked and self._chunked_head is None:
+            self._chunked_head = self._probe_head(model, inputs) or False
+        if not chunked or not self._chunked_head:
             return model(**inputs), None
-        if self._chunked_head is not None:
-            with head_passes_hidden_states(self._chunked_head):
-                outputs = model(**inputs)
-            return outputs, logits_of(outputs)
-        head = plain_head(self.accelerator.unwrap_model(model))
-        if head is None:
-            self._chunked_head = False
-            return model(**inputs), None
-        seen = []
-        handle = head.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
-        try:
+        with head_passes_hidden_states(self._chunked_head):
             outputs = model(**inputs)
+        return outputs, logits_of(outputs)
+
+    def _probe_head(self, model, inputs: dict) -> torch.nn.Linear | None:
+        """The LM head if the model returns its output unchanged (no soft-capping or scaling after it), else None.
+
+        Once per run: a forward without gradients on the unwrapped model whose head is fed one row, so no
+        [tokens × vocab] logits are made; random state untouched, so a resumed run's steps equal the uninterrupted run's.
+        """
+        unwrapped = self.accelerator.unwrap_model(model)
+        head = plain_head(unwrapped)
+        if head is None:
+            return None
+        seen = []
+        one_row = head.register_forward_pre_hook(lambda module, args: (args[0].narrow(-2, 0, 1), *args[1:]))
+        record = head.register_forward_hook(lambda module, args, output: seen.append(output))
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                outputs = unwrapped(**inputs)
         finally:
-            handle.remove()
-        plain = len(seen) == 1 and logits_of(outputs) is seen[0][1]
-        self._chunked_head = head if plain else False
-        return outputs, seen[0][0] if plain else None
+            one_row.remove()
+            record.remove()
+        return head if len(seen) == 1 and logits_of(outputs) is seen[0] else None
 
     def _fall_back(self, model, inputs, return_outputs, logits):
         shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
