@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "bench.yaml"
 ARMS = ("hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed", "hand_loop")
@@ -58,6 +60,12 @@ def proc_status_kb(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
 
 
+def machine_busy() -> float:
+    """CPU seconds all processes on the machine have run so far (user, nice, system, irq, softirq: /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
+
+
 class PeakMemory:
     """Peak memory of one arm above its start, in MiB: CUDA allocations, or the process RSS high-water mark."""
 
@@ -66,8 +74,6 @@ class PeakMemory:
         self.kind = "CUDA max_memory_allocated" if cuda else "CPU resident set (VmHWM)"
 
     def start(self) -> None:
-        import torch
-
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
@@ -81,8 +87,6 @@ class PeakMemory:
         self.base = proc_status_kb("VmRSS") * 1024
 
     def peak_mb(self) -> float:
-        import torch
-
         if self.cuda:
             return (torch.cuda.max_memory_allocated() - self.base) / 2**20
         return (proc_status_kb("VmHWM") * 1024 - self.base) / 2**20
@@ -95,9 +99,11 @@ class Clock:
     def __init__(self, cuda: bool, keep_batches: bool = False):
         self.cuda, self.computed, self.real = cuda, 0, 0
         self.batches: list[dict] | None = [] if keep_batches else None
-        self.marks = [(time.perf_counter(), time.process_time(), 0, 0)]
+        self.marks = [(time.perf_counter(), time.process_time(), machine_busy(), 0, 0)]
 
     def __call__(self, module, args, kwargs):
+        if not torch.is_grad_enabled():  # a gradient-free forward (our chunked-head probe) trains on nothing
+            return
         ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
         self.computed += ids.numel()
         self.real += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
@@ -107,15 +113,15 @@ class Clock:
 
     def mark(self, *_, **__) -> None:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize()
-        self.marks.append((time.perf_counter(), time.process_time(), self.real, self.computed))
+        self.marks.append((time.perf_counter(), time.process_time(), machine_busy(), self.real, self.computed))
 
     def result(self, warmup: int) -> dict:
-        (t0, p0, r0, c0), (t1, p1, r1, c1) = self.marks[warmup], self.marks[-1]
+        (t0, p0, b0, r0, c0), (t1, p1, b1, r1, c1) = self.marks[warmup], self.marks[-1]
+        cores = os.cpu_count() or 1
+        others = max(0.0, (b1 - b0) - (p1 - p0)) / max((t1 - t0) * cores, 1e-9)  # of the machine's CPU time
         return {"seconds": t1 - t0, "cpu_seconds": p1 - p0, "real_tokens": r1 - r0, "computed_tokens": c1 - c0,
-                "steps": len(self.marks) - 1 - warmup, "all_real": r1, "all_computed": c1}
+                "steps": len(self.marks) - 1 - warmup, "all_real": r1, "all_computed": c1, "others_cpu": others}
 
     def attach(self, trainer) -> None:
         from transformers import PrinterCallback, ProgressCallback, TrainerCallback
@@ -163,8 +169,6 @@ class Bench:
         return cfg
 
     def describe(self) -> str:
-        import torch
-
         o = self.cfg.model.config_overrides
         model = ("SmolLM2-135M-Instruct (pretrained)" if self.args.model == "smollm2" else
                  f"Llama, hidden {o['hidden_size']}, {o['num_hidden_layers']} layers, SmolLM2 vocabulary, random init")
@@ -177,8 +181,6 @@ class Bench:
                 f"round(s)")
 
     def run(self, arm: str, accumulation: int | None = None, steps: int | None = None) -> Clock:
-        import torch
-
         cuda = torch.cuda.is_available()
         if arm in OURS:
             return self.run_ours(arm, accumulation or self.accumulation, steps or self.steps, cuda)
@@ -219,7 +221,8 @@ class Bench:
         t = self.cfg.train
         args = TrainingArguments(
             output_dir=t.output_dir, per_device_train_batch_size=self.micro,
-            gradient_accumulation_steps=self.accumulation, max_steps=self.steps, learning_rate=self.cfg.optim.lr, max_grad_norm=t.max_grad_norm, seed=t.seed,
+            gradient_accumulation_steps=self.accumulation, max_steps=self.steps, learning_rate=self.cfg.optim.lr,
+            max_grad_norm=t.max_grad_norm, seed=t.seed,
             report_to=[], save_strategy="no", logging_steps=10**6, use_cpu=not cuda,
         )
         trainer = Trainer(model=self.new_model(), args=args, train_dataset=self.dataset, data_collator=collator)
@@ -230,7 +233,6 @@ class Bench:
         return clock
 
     def run_hand_loop(self, cuda: bool) -> Clock:
-        import torch
         import torch.nn.functional as F
 
         device = torch.device("cuda" if cuda else "cpu")
@@ -273,6 +275,7 @@ def summarize(runs: list[dict]) -> dict:
         "real_tokens_per_cpu_s": median_rate("real_tokens", "cpu_seconds"),
         "real_token_share": sum(r["all_real"] for r in runs) / sum(r["all_computed"] for r in runs),
         "peak_mem_mb": max(r["peak_mem_mb"] for r in runs),
+        "others_cpu_share": statistics.mean(r["others_cpu"] for r in runs),
         "timed_steps": sum(r["steps"] for r in runs),
         "timed_real_tokens": sum(r["real_tokens"] for r in runs),
         "timed_computed_tokens": sum(r["computed_tokens"] for r in runs),
@@ -307,13 +310,14 @@ def targets(results: dict, accumulation: int = 4) -> list[tuple[str, bool | None
 
 
 def print_report(results: dict, memory_kind: str, header: str, accumulation: int) -> None:
-    print(f"\n{header}\npeak MiB: {memory_kind}, above the arm's start\n")
+    print(f"\n{header}\npeak MiB: {memory_kind}, above the arm's start; others CPU: the share of the machine's CPU time "
+          "other processes used during the timed steps (high: wall-clock rates are not comparable)\n")
     print(f"{'arm':<24}{'real tok/s':>11}{'computed tok/s':>15}{'real share':>11}{'peak MiB':>9}"
-          f"{'real tok/CPU-s':>15}{'timed steps':>12}")
+          f"{'real tok/CPU-s':>15}{'others CPU':>11}{'timed steps':>12}")
     for arm, r in results.items():
         print(f"{arm:<24}{r['real_tokens_per_s']:>11.0f}{r['computed_tokens_per_s']:>15.0f}"
               f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}{r['real_tokens_per_cpu_s']:>15.0f}"
-              f"{r['timed_steps']:>12}")
+              f"{r['others_cpu_share']:>11.0%}{r['timed_steps']:>12}")
     if "peak_mem_mb_accumulation_1" in results.get("packed", {}):
         print(f"{'packed, accumulation 1':<24}{'':>37}{results['packed']['peak_mem_mb_accumulation_1']:>9.0f}")
     print("\ntargets:")
@@ -352,7 +356,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -375,8 +378,8 @@ def main(argv: list[str]) -> int:
             result = {**bench.run(arm).result(args.warmup), "peak_mem_mb": memory.peak_mb()}
             runs[arm].append(result)
             print(f"  round {round_index + 1} {arm}: {result['real_tokens'] / result['seconds']:.0f} real tokens/s, "
-                  f"{result['seconds']:.1f} s timed ({result['cpu_seconds']:.1f} s CPU), peak "
-                  f"{result['peak_mem_mb']:.0f} MiB [{time.perf_counter() - started:.0f} s]", flush=True)
+                  f"{result['seconds']:.1f} s timed ({result['cpu_seconds']:.1f} s CPU, others "
+                  f"{result['others_cpu']:.0%}), peak {result['peak_mem_mb']:.0f} MiB [{time.perf_counter() - started:.0f} s]", flush=True)
         if "packed" in args.arms and accumulation_1 is None:
             # The packed micro-batches alone (accumulation 1): the same ones, since the Trainer's sampler order does
             # not depend on the accumulation.
