@@ -400,6 +400,14 @@ class AtomicCheckpoints:
             self.restore_checkpoint_state(read_state(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _run_epoch(self, *args, **kwargs):
+        # Resumed from the run's last step in the middle of an epoch, transformers would train one step more (it
+        # checks max_steps only after a step); a finished run trains nothing.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def _get_output_dir(self, trial):
         run_dir = super()._get_output_dir(trial)
         return staging_root(run_dir) if self._staging else run_dir

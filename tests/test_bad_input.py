@@ -49,6 +49,16 @@ def other_model_checkpoint(tmp: Path) -> Path:
     return folder
 
 
+def adapter_checkpoint(tmp: Path) -> Path:
+    folder = tmp / "elsewhere" / "checkpoint-5"
+    folder.mkdir(parents=True)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / "finetune_state.json").write_text("{}")
+    return folder
+
+
 def limit_file_size(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
@@ -101,6 +111,9 @@ CASES = [
      r"^error: train\.resume_from: \S+checkpoint-7/model\.safetensors is from a different model "
      r"\(model\.embed_tokens\.weight has shape \[10, 4\] there but \[49152, 64\] in this model\); resume with the "
      r"recipe that wrote it, or start fresh in another train\.output_dir$"),
+    ("LoRA checkpoint for a full fine-tune", lambda t: [f"train.resume_from={adapter_checkpoint(t)}"], {},
+     r"^error: train\.resume_from: \S+checkpoint-5 holds a LoRA adapter checkpoint but this recipe trains a full "
+     r"model; set model\.lora\.enabled as when it was written, or start fresh in another train\.output_dir$"),
     ("resume from a folder that is not there", lambda t: [f"train.resume_from={t / 'checkpoint-3'}"], {},
      r"^error: train\.resume_from=\S+checkpoint-3: no such checkpoint folder; give a checkpoint-N folder or auto$"),
 ]

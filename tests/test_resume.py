@@ -30,6 +30,7 @@ MODES = {
     "length_grouped": ["data.batching=length_grouped"],
     "token_budget": ["data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"],
     "packed": ["data.batching=packed"],
+    "padded+lora": ["model.lora.enabled=true", "optim.lr=1e-2"],  # adapter_model.safetensors, PEFT's own loading
 }
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
@@ -42,7 +43,8 @@ def step_logs(folder: Path) -> list[dict]:
 
 def assert_same_run(folder: Path, reference: Path) -> None:
     assert step_logs(folder) == step_logs(reference)
-    got, want = load_file(folder / "model.safetensors"), load_file(reference / "model.safetensors")
+    name = "model.safetensors" if (reference / "model.safetensors").is_file() else "adapter_model.safetensors"
+    got, want = load_file(folder / name), load_file(reference / name)
     assert got.keys() == want.keys()
     different = [name for name in want if not torch.equal(got[name], want[name])]
     assert not different, f"weights differ bitwise: {different[:3]}"
@@ -94,7 +96,7 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
 
 @pytest.mark.parametrize(
     "mode, start",
-    [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3)],  # padded 2: an epoch boundary
+    [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3), ("padded+lora", 3)],  # 2: epoch end
 )
 def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp_path):
     from finetune.train import train
@@ -108,6 +110,19 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
     assert train(load_config(argv)) == 0
     assert_same_run(out, ref)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
+
+
+def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tmp_path):
+    from finetune.train import train
+
+    ref = reference("padded")  # 2 optimizer steps per epoch: with train.max_steps=3, checkpoint-3 is mid-epoch
+    shutil.copytree(ref / "checkpoint-3", tmp_path / "checkpoint-3")
+    argv = [*COMMON, "train.max_steps=3", f"train.output_dir={tmp_path}", "train.resume_from=auto"]
+    assert train(load_config(argv)) == 0
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]  # no checkpoint-4
+    assert step_logs(tmp_path) == step_logs(ref)[:3]
+    got, want = load_file(tmp_path / "model.safetensors"), load_file(ref / "checkpoint-3" / "model.safetensors")
+    assert all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
