@@ -65,8 +65,8 @@ def limit_file_size(limit: int):
 
 # (id, argv after BASE given the tmp folder, extra environment, the error line a user sees)
 CASES = [
-    ("unknown key", lambda t: ["train.lerning_rate=1e-4"], {},
-     r"^error: command line: unknown key 'train\.lerning_rate'; did you mean '\S+'\?$"),
+    ("unknown key", lambda t: ["train.max_step=3"], {},
+     r"^error: command line: unknown key 'train\.max_step'; did you mean 'train\.max_steps'\?$"),
     ("wrong type", lambda t: ["train.max_steps=many"], {},
      r"^error: command line: train\.max_steps='many' is not a valid integer; fix the value$"),
     ("value not among the choices", lambda t: ["data.batching=pack"], {},
