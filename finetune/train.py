@@ -117,24 +117,24 @@ def build(cfg: Config, callbacks: tuple = ()):
 
 
 def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
-    from finetune import checkpoints, reporting
+    from finetune import checkpoints, lifecycle, reporting
 
-    checkpoints.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
-    stop = checkpoints.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
+    lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
+    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
     with stop.installed():
         trainer = build(cfg, callbacks)
         trainer.stop_request = stop
-        checkpoints.check_space(cfg.train.output_dir, trainer.model)
+        lifecycle.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
-        if line := checkpoints.start_line(cfg.train, resume):
+        if line := lifecycle.start_line(cfg.train, resume):
             reporting.main_print(line)
         trainer.train(resume_from_checkpoint=resume)
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
-            reporting.main_print(checkpoints.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
+            reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
             return 0
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
-        checkpoints.save_final(trainer, {"recipe.yaml": to_yaml(cfg)} if trainer.is_world_process_zero() else {})
+        lifecycle.save_final(trainer, {"recipe.yaml": to_yaml(cfg)} if trainer.is_world_process_zero() else {})
     figures = reporting.summary(cfg, trainer)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, reporting.RecipeWandbCallback):

@@ -1,0 +1,166 @@
+"""A run's start and end around the Trainer: the output directory checked before training, what the run starts from,
+SIGTERM/SIGINT turned into "finish the step, save, say how to resume", and the final save landing file by file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from finetune.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
+from finetune.config import RecipeError, TrainConfig
+
+# ---- before training ----
+
+
+def check_writable(output_dir: str) -> None:
+    """Fail before training, not at the first save hours later; a folder made for the test is removed again."""
+    missing = [p for p in [output_dir, *map(str, Path(output_dir).parents)] if not os.path.exists(p)]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        missing = []  # another rank may be probing the same folder: leave it
+    probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+    except OSError as e:
+        raise RecipeError(
+            f"train.output_dir={output_dir}: cannot write there ({e.strerror or type(e).__name__}); choose a "
+            "writable folder"
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        for folder in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def check_space(output_dir: str, model: torch.nn.Module) -> None:
+    """A checkpoint holds the weights and about two optimizer states per trainable weight (AdamW's moments)."""
+    params = list(model.parameters())
+    need = sum(p.numel() * p.element_size() for p in params) + sum(p.numel() * 8 for p in params if p.requires_grad)
+    free = shutil.disk_usage(output_dir).free
+    if free < need:
+        raise RecipeError(
+            f"train.output_dir={output_dir}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
+            f"{need / 2**30:.2f} GiB; free disk space or choose another train.output_dir"
+        )
+
+
+def start_line(train: TrainConfig, resume: str | None) -> str | None:
+    """What the run starts from, when there is something to say."""
+    if resume:
+        return f"resuming from {resume}"
+    found = checkpoints_in(train.output_dir)
+    if found and train.resume_from is None:
+        return (f"note: {train.output_dir} holds checkpoints up to checkpoint-{found[-1][0]}; starting fresh and "
+                "overwriting them (train.resume_from=auto continues from the newest)")
+    return None
+
+
+# ---- after training ----
+
+
+def save_final(trainer, texts: dict[str, str]) -> None:
+    """The trained model, trainer_state.json and `texts` ({file name: content}) into train.output_dir, written under
+    .staging first and then renamed file by file: each file in output_dir is whole, old or new."""
+    out = trainer.args.output_dir
+    staged = os.path.join(staging_root(out), "final")
+    if trainer.args.should_save:
+        shutil.rmtree(staged, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    try:
+        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        if trainer.args.should_save:
+            trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+            for name, text in texts.items():
+                with open(os.path.join(staged, name), "w") as f:
+                    f.write(text)
+    except Exception as e:
+        if write_failure(e) is None:
+            raise
+        shutil.rmtree(staging_root(out), ignore_errors=True)
+        raise write_error(out, "the final model", write_failure(e)) from None
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        for name in sorted(os.listdir(staged)):
+            source, target = os.path.join(staged, name), os.path.join(out, name)
+            if os.path.isdir(source):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                fsync(source)
+            os.replace(source, target)
+        fsync(out)
+        shutil.rmtree(staging_root(out), ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+# ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----
+
+
+class StopRequest:
+    """Set by SIGTERM or SIGINT; the trainer finishes its optimizer step, saves a checkpoint and stops.
+
+    A second SIGINT (Ctrl-C) stops at once, without saving.
+    """
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
+                  "(Ctrl-C again stops without saving)", file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    @contextlib.contextmanager
+    def installed(self):
+        main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+        if main_thread:
+            self.install()
+        try:
+            yield self
+        finally:
+            if main_thread:
+                self.uninstall()
+
+
+def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:
+    step = trainer.state.global_step
+    return (
+        f"stopped by {stop.signal_name} after optimizer step {step} of {trainer.state.max_steps}; checkpoint: "
+        f"{os.path.join(trainer.args.output_dir, f'checkpoint-{step}')}\nresume with: {resume_command(argv)}"
+    )
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that was run, with train.resume_from=auto: it continues from the newest checkpoint."""
+    args = [a for a in argv if not a.startswith("train.resume_from=")] + ["train.resume_from=auto"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the launcher's own options are not visible to a rank
+        return "accelerate launch [the same launch options] " + shlex.join([sys.argv[0], *args])
+    return shlex.join([sys.executable, sys.argv[0], *args])
