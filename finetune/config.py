@@ -304,6 +304,43 @@ def accumulation_steps(config: Config, ranks: int) -> int:
     return total // per_micro_step
 
 
+def check_optim_and_schedule(config: Config) -> None:
+    """Optimizer and schedule keys that need no run length (warmup vs. run length: `schedules.check_schedule`)."""
+    o, s = config.optim, config.schedule
+    if o.lr_scaling != "none" and not o.base_batch_size:
+        unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
+        raise RecipeError(
+            f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
+            f"{unit})"
+        )
+    ranges = [  # (key, value, holds, what it must be)
+        ("optim.base_batch_size", o.base_batch_size, o.base_batch_size is None or o.base_batch_size > 0, "positive"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "≥ 0"),
+        ("optim.eps", o.eps, o.eps >= 0, "≥ 0"),
+        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "in [0, 1)"),
+        ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two numbers in [0, 1)"),
+        ("optim.trust_coefficient", o.trust_coefficient, o.trust_coefficient > 0, "positive"),
+        ("schedule.warmup_steps", s.warmup_steps, s.warmup_steps >= 0, "≥ 0"),
+        ("schedule.warmup_ratio", s.warmup_ratio, 0 <= s.warmup_ratio < 1, "in [0, 1)"),
+        ("schedule.warmup_factor", s.warmup_factor, 0 < s.warmup_factor <= 1, "in (0, 1]"),
+        ("schedule.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
+        ("schedule.pct_start", s.pct_start, 0 < s.pct_start < 1, "in (0, 1)"),
+        ("schedule.div_factor", s.div_factor, s.div_factor > 0, "positive"),
+        ("schedule.final_div_factor", s.final_div_factor, s.final_div_factor > 0, "positive"),
+    ]
+    for key, value, holds, what in ranges:
+        if not holds:
+            raise RecipeError(f"{key}={value} must be {what}")
+    if s.warmup_steps > 0 and s.warmup_ratio > 0:
+        raise RecipeError("set schedule.warmup_steps or schedule.warmup_ratio, not both")
+    if s.name == "onecycle" and (s.warmup_steps > 0 or s.warmup_ratio > 0):
+        key = "schedule.warmup_steps" if s.warmup_steps > 0 else "schedule.warmup_ratio"
+        raise RecipeError(
+            f"{key} does not apply to schedule.name=onecycle, which warms up over schedule.pct_start of the run; "
+            "remove it or set schedule.pct_start"
+        )
+
+
 def check_config(config: Config) -> None:
     for key, allowed in CHOICES.items():
         value = _get(config, key)
@@ -350,11 +387,7 @@ def check_config(config: Config) -> None:
             f"data.max_tokens_per_micro_batch={budget} is below data.max_length={config.data.max_length}: a "
             "longest row would not fit; raise the budget or lower data.max_length"
         )
-    if config.optim.lr_scaling != "none" and not config.optim.base_batch_size:
-        raise RecipeError(
-            f"optim.lr_scaling={config.optim.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was "
-            "tuned for)"
-        )
+    check_optim_and_schedule(config)
     if config.train.precision == "fp16" and config.model.dtype != "float32":
         raise RecipeError(
             "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "

@@ -43,6 +43,9 @@ def build(cfg: Config, callbacks: tuple = ()):
     from finetune.trainer import RecipeTrainer
     from finetune.vision_data import VisionCollator, load_vision_dataset
 
+    if cfg.train.precision == "fp16" and not reporting.has_accelerator():
+        # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead
+        raise RecipeError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32")
     ranks = data_parallel_ranks()
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
