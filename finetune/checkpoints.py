@@ -1,6 +1,6 @@
 """Checkpoints that are complete or absent, and what resuming needs (finetune/lifecycle.py: a run's start and end).
 
-What a checkpoint-N holds (see `RecipeTrainer._save_checkpoint`): the weights (model.safetensors, or the adapter's
+What a checkpoint-N holds (see `save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights (model.safetensors, or the adapter's
 adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
 CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data position
 needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed from
@@ -233,98 +233,54 @@ def load_rng_state(file: str) -> None:
 # ---- the Trainer's checkpoint hooks ----
 
 
-class AtomicCheckpoints:
-    """transformers.Trainer overrides (mixed in before it): checkpoints renamed into place when complete, RNG states
-    without pickled objects, and a resume checked against the model before anything is loaded into it.
+def save_atomically(trainer, save, model, trial) -> None:
+    """`save(model, trial)` (the Trainer's own _save_checkpoint) into output_dir/.staging, then renamed into place.
 
-    `checkpoint_state()` / `restore_checkpoint_state(state)`: the subclass's counters, kept in finetune_state.json.
+    transformers writes checkpoint-N in place, file after file: a kill mid-save leaves a folder that looks like a
+    checkpoint and would be resumed from. The Trainer writes it under output_dir/.staging instead (through
+    `trainer.staging`, read by its _get_output_dir); once every rank has written its part, rank 0 renames it into
+    place, then rotates.
     """
+    from transformers.trainer_utils import rotate_checkpoints
 
-    _staging = False
+    run_dir = trainer.args.output_dir
+    name = f"checkpoint-{trainer.state.global_step}"
+    staged, final = os.path.join(staging_root(run_dir), name), os.path.join(run_dir, name)
+    if trainer.args.should_save:
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+    trainer.accelerator.wait_for_everyone()
+    trainer.staging = True
+    try:
+        save(model, trial)
+        trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
+        if trainer.args.should_save:
+            write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
+            commit(staged, final)
+    except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
+        if write_failure(e) is None:
+            raise
+        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
+        raise write_error(run_dir, name, write_failure(e)) from None
+    finally:
+        trainer.staging = False
+    if trainer.args.should_save:
+        with contextlib.suppress(OSError):
+            os.rmdir(staging_root(run_dir))  # when empty
+        rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
+    trainer.accelerator.wait_for_everyone()
 
-    def checkpoint_state(self) -> dict:
-        return {}
 
-    def restore_checkpoint_state(self, state: dict) -> None:
-        pass
+def rng_file(world_size: int, process_index: int) -> str:
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{process_index}.pth"
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if isinstance(resume_from_checkpoint, str):
-            check_same_model(resume_from_checkpoint, self.model)
-            self.restore_checkpoint_state(read_state(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _run_epoch(self, *args, **kwargs):
-        # Resumed from the run's last step in the middle of an epoch, transformers would train one step more (it
-        # checks max_steps only after a step); a finished run trains nothing.
-        if 0 < self.state.max_steps <= self.state.global_step:
-            self.control.should_training_stop = True
-            return None
-        return super()._run_epoch(*args, **kwargs)
-
-    def _get_output_dir(self, trial):
-        run_dir = super()._get_output_dir(trial)
-        return staging_root(run_dir) if self._staging else run_dir
-
-    def _save_checkpoint(self, model, trial):
-        # transformers writes checkpoint-N in place, file after file: a kill mid-save leaves a folder that looks like a
-        # checkpoint and would be resumed from. The Trainer writes it under output_dir/.staging instead (through
-        # _get_output_dir); once every rank has written its part, rank 0 renames it into place, then rotates.
-        from transformers.trainer_utils import rotate_checkpoints
-
-        run_dir = super()._get_output_dir(trial)
-        name = f"checkpoint-{self.state.global_step}"
-        staged, final = os.path.join(staging_root(run_dir), name), os.path.join(run_dir, name)
-        if self.args.should_save:
-            shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
-        self.accelerator.wait_for_everyone()
-        self._staging = True
-        try:
-            super()._save_checkpoint(model, trial)
-            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
-            if self.args.should_save:
-                write_state(staged, self.checkpoint_state())  # last: it marks the folder complete
-                commit(staged, final)
-        except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
-            if write_failure(e) is None:
-                raise
-            shutil.rmtree(staging_root(run_dir), ignore_errors=True)
-            raise write_error(run_dir, name, write_failure(e)) from None
-        finally:
-            self._staging = False
-        if self.args.should_save:
-            with contextlib.suppress(OSError):
-                os.rmdir(staging_root(run_dir))  # when empty
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
-        self.accelerator.wait_for_everyone()
-
-    def _save_rng_state(self, output_dir):
-        os.makedirs(output_dir, exist_ok=True)
-        torch.save(rng_state(), os.path.join(output_dir, self._rng_file()))
-
-    def _load_rng_state(self, checkpoint):
-        if checkpoint is None:
-            return
-        file = os.path.join(checkpoint, self._rng_file())
-        if not os.path.isfile(file):
-            print(f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
-                  "another number of ranks?)", file=sys.stderr)
-            return
-        load_rng_state(file)
-
-    def _rng_file(self) -> str:
-        return "rng_state.pth" if self.args.world_size <= 1 else f"rng_state_{self.args.process_index}.pth"
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        try:
-            super()._load_optimizer_and_scheduler(checkpoint)
-        except (ValueError, RuntimeError, KeyError) as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise RecipeError(
-                f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
-                "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
-                "train.output_dir"
-            ) from None
+def restore_rng_state(checkpoint: str, file_name: str) -> None:
+    file = os.path.join(checkpoint, file_name)
+    if not os.path.isfile(file):
+        print(f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
+              "another number of ranks?)", file=sys.stderr)
+        return
+    load_rng_state(file)
 
 
 def epoch_seeded(sampler, seed: int):

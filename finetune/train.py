@@ -40,7 +40,7 @@ def build(cfg: Config, callbacks: tuple = ()):
     from finetune import batching, models, reporting, schedules, vlm
     from finetune.data import load_sft_dataset
     from finetune.streaming import stream_sft_dataset
-    from finetune.trainer import RecipeTrainer
+    from finetune.recipe_trainer import RecipeTrainer
     from finetune.vision_data import VisionCollator, load_vision_dataset
 
     if cfg.train.precision == "fp16" and not reporting.has_accelerator():

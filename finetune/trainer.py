@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +24,6 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging
 
-from finetune.checkpoints import AtomicCheckpoints, epoch_seeded
-from finetune.config import RecipeError
 from finetune.loss import head_token_loss_sum, kept_token_loss_sum, predicting_positions, token_loss_sum
 from finetune.meter import WindowMeter, flops_per_token, matmul_parameters, peak_flops, window_counts
 
@@ -246,114 +243,3 @@ class TokenNormTrainer(Trainer):
             if self.args.max_grad_norm > 0 and logs["grad_norm"] is not None:
                 logs["clip_factor"] = min(1.0, self.args.max_grad_norm / (logs["grad_norm"] + 1e-6))
         super().log(logs, start_time)
-
-
-class NonFiniteError(RecipeError):
-    """train.on_nonfinite=stop met a NaN/inf loss or gradient: one line naming the step, exit code 3 (not 2: the
-    recipe loaded and training ran)."""
-
-    exit_code = 3
-
-
-def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite: str) -> tuple[bool, bool, bool]:
-    """(veto the update, count it as skipped, stop) for one optimizer step with these non-finite flags.
-
-    Under fp16 an overflowing gradient is the GradScaler's business: it skips the update itself and lowers its scale;
-    that is counted like any skip but never stops the run.
-    """
-    bad = bad_grads or bad_loss
-    scaler_overflow = fp16 and bad_grads and not bad_loss
-    return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
-
-
-class RecipeTrainer(AtomicCheckpoints, TokenNormTrainer):
-    """What `finetune/train.py` runs: TokenNormTrainer with the recipe's optimizer and schedule.
-
-    Both are built at the Trainer's own hooks, so the optimizer sees the model as FSDP2/ZeRO wrap it, and the schedule
-    gets the Trainer's count of optimizer steps (never micro-batches) and is stepped by the Trainer once per step.
-    Checkpoints are complete or absent (AtomicCheckpoints, finetune/checkpoints.py). Once per optimizer step, before
-    the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
-    counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
-    """
-
-    def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
-                 stop_request=None, **kwargs):
-        self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
-        self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
-        self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
-        self._window_finite: bool | torch.Tensor = True
-        super().__init__(*args, **kwargs)
-
-    def _get_train_sampler(self, train_dataset=None):
-        return epoch_seeded(super()._get_train_sampler(train_dataset), self.args.seed)
-
-    def checkpoint_state(self) -> dict:
-        return {"nonfinite_skipped": self.nonfinite_skipped, "data_position": self._data_position()}
-
-    def restore_checkpoint_state(self, state: dict) -> None:
-        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
-        # The Trainer skips global_step × accumulation micro-batches into the epoch: the same position only if these
-        # agree (another data.limit, seed or number of ranks resumes somewhere else, silently).
-        saved, now = state.get("data_position", {}), self._data_position()
-        changed = [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
-        if changed:
-            logger.warning(f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
-                           "wrote the checkpoint")
-
-    def _data_position(self) -> dict:
-        return {"dataset_items": len(self.train_dataset), "seed": self.args.seed, "ranks": self.args.world_size,
-                "micro_batches_per_step": self.args.gradient_accumulation_steps,
-                "items_per_micro_batch": self.args.per_device_train_batch_size}
-
-    # ---- once per optimizer step: non-finite values, stop requests ----
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._window_finite = torch.isfinite(loss).all() & self._window_finite  # no host sync per micro-batch
-        return loss
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        # The Trainer calls this once per optimizer step, after clipping and right before the update; the norm is the
-        # global one (unscaled under fp16), so ranks agree on it. The loss flag is per rank: it joins one all-reduce.
-        grad_norm = super()._get_grad_norm(model, grad_norm)
-        norm = float(grad_norm) if grad_norm is not None else 0.0
-        stop = self.stop_request is not None and self.stop_request.requested
-        flags = torch.tensor([not math.isfinite(norm), not bool(self._window_finite), stop], dtype=torch.int32)
-        self._window_finite = True
-        if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
-        bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
-        if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
-            self.control.should_save = self.control.should_training_stop = True
-        self._skip_update, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
-        if skipped:
-            what = " and ".join(w for w, bad in (("the loss", bad_loss), ("the gradient norm", bad_grads)) if bad)
-            what += f" {'are' if bad_loss and bad_grads else 'is'} not finite (grad_norm={norm})"
-            step = self.state.global_step + 1
-            if halt:
-                raise NonFiniteError(
-                    f"optimizer step {step}: {what}; stopped without updating or saving (train.on_nonfinite=stop). "
-                    "Lower optim.lr, check the data, or set train.on_nonfinite=skip to skip such steps"
-                )
-            self.nonfinite_skipped += 1
-            logger.warning(f"optimizer step {step}: {what}; no update ({self.nonfinite_skipped} skipped so far)")
-        return grad_norm
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and "grad_norm" in logs:
-            logs["nonfinite_skipped"] = self.nonfinite_skipped
-        super().log(logs, start_time)
-
-    def create_optimizer(self, model=None):
-        from finetune.optim import build_optimizer
-
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(model if model is not None else self.model, self.optim_config, self.peak_lr)
-        return super().create_optimizer(model)
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        from finetune.schedules import build_scheduler
-
-        if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, num_training_steps, self.schedule_config)
-        return super().create_scheduler(num_training_steps, optimizer)

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 import finetune.train
 from finetune import checkpoints
-from finetune.trainer import RecipeTrainer
+from finetune.recipe_trainer import RecipeTrainer
 
 
 def die() -> None:

@@ -126,7 +126,7 @@ def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tm
 
 
 def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
-    from finetune import trainer as trainer_module
+    from finetune import recipe_trainer as trainer_module
     from finetune.train import build
 
     state = checkpoints.read_state(str(reference("padded") / "checkpoint-2"))

@@ -1,0 +1,178 @@
+"""`RecipeTrainer`: what `finetune/train.py` runs — `TokenNormTrainer` plus what a recipe asks of a whole run.
+
+The recipe's optimizer and schedule (built at the Trainer's create_optimizer/create_scheduler), checkpoints that are
+complete or absent and resume bitwise (finetune/checkpoints.py), non-finite values (train.on_nonfinite) and stop
+requests (SIGTERM/SIGINT, finetune/lifecycle.py), agreed on by all ranks once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers.utils import logging
+
+from finetune import checkpoints
+from finetune.config import RecipeError
+from finetune.trainer import TokenNormTrainer
+
+logger = logging.get_logger(__name__)
+
+
+class NonFiniteError(RecipeError):
+    """train.on_nonfinite=stop met a NaN/inf loss or gradient: one line naming the step, exit code 3 (not 2: the
+    recipe loaded and training ran)."""
+
+    exit_code = 3
+
+
+def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite: str) -> tuple[bool, bool, bool]:
+    """(veto the update, count it as skipped, stop) for one optimizer step with these non-finite flags.
+
+    Under fp16 an overflowing gradient is the GradScaler's business: it skips the update itself and lowers its scale;
+    that is counted like any skip but never stops the run.
+    """
+    bad = bad_grads or bad_loss
+    scaler_overflow = fp16 and bad_grads and not bad_loss
+    return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
+
+
+class RecipeTrainer(TokenNormTrainer):
+    """What `finetune/train.py` runs: TokenNormTrainer with the recipe's optimizer and schedule.
+
+    Both are built at the Trainer's own hooks, so the optimizer sees the model as FSDP2/ZeRO wrap it, and the schedule
+    gets the Trainer's count of optimizer steps (never micro-batches) and is stepped by the Trainer once per step.
+    Checkpoints are complete or absent (finetune/checkpoints.py). Once per optimizer step, before
+    the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
+    counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
+    """
+
+    def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
+                 stop_request=None, **kwargs):
+        self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
+        self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
+        self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
+        self._window_finite: bool | torch.Tensor = True
+        self.staging = False  # True while a checkpoint is written: the Trainer's output dir is then the staging dir
+        super().__init__(*args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        return checkpoints.epoch_seeded(super()._get_train_sampler(train_dataset), self.args.seed)
+
+    # ---- checkpoints: complete or absent; a resume checked against the model before anything loads into it ----
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, str):
+            checkpoints.check_same_model(resume_from_checkpoint, self.model)
+            self.restore_checkpoint_state(checkpoints.read_state(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _run_epoch(self, *args, **kwargs):
+        # Resumed from the run's last step in the middle of an epoch, transformers would train one step more (it
+        # checks max_steps only after a step); a finished run trains nothing.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
+    def _get_output_dir(self, trial):
+        run_dir = super()._get_output_dir(trial)
+        return checkpoints.staging_root(run_dir) if self.staging else run_dir
+
+    def _save_checkpoint(self, model, trial):
+        checkpoints.save_atomically(self, super()._save_checkpoint, model, trial)
+
+    def _save_rng_state(self, output_dir):
+        # plain tensors and ints, so the file loads with torch.load(weights_only=True)
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(checkpoints.rng_state(), os.path.join(output_dir, self._rng_file()))
+
+    def _load_rng_state(self, checkpoint):
+        if checkpoint is not None:
+            checkpoints.restore_rng_state(checkpoint, self._rng_file())
+
+    def _rng_file(self) -> str:
+        return checkpoints.rng_file(self.args.world_size, self.args.process_index)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except (ValueError, RuntimeError, KeyError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RecipeError(
+                f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
+                "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
+                "train.output_dir"
+            ) from None
+
+    def checkpoint_state(self) -> dict:
+        return {"nonfinite_skipped": self.nonfinite_skipped, "data_position": self._data_position()}
+
+    def restore_checkpoint_state(self, state: dict) -> None:
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        # The Trainer skips global_step × accumulation micro-batches into the epoch: the same position only if these
+        # agree (another data.limit, seed or number of ranks resumes somewhere else, silently).
+        saved, now = state.get("data_position", {}), self._data_position()
+        changed = [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        if changed:
+            logger.warning(f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
+                           "wrote the checkpoint")
+
+    def _data_position(self) -> dict:
+        return {"dataset_items": len(self.train_dataset), "seed": self.args.seed, "ranks": self.args.world_size,
+                "micro_batches_per_step": self.args.gradient_accumulation_steps,
+                "items_per_micro_batch": self.args.per_device_train_batch_size}
+
+    # ---- once per optimizer step: non-finite values, stop requests ----
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._window_finite = torch.isfinite(loss).all() & self._window_finite  # no host sync per micro-batch
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # The Trainer calls this once per optimizer step, after clipping and right before the update; the norm is the
+        # global one (unscaled under fp16), so ranks agree on it. The loss flag is per rank: it joins one all-reduce.
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        norm = float(grad_norm) if grad_norm is not None else 0.0
+        stop = self.stop_request is not None and self.stop_request.requested
+        flags = torch.tensor([not math.isfinite(norm), not bool(self._window_finite), stop], dtype=torch.int32)
+        self._window_finite = True
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
+        bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
+        if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
+            self.control.should_save = self.control.should_training_stop = True
+        self._skip_update, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
+        if skipped:
+            what = " and ".join(w for w, bad in (("the loss", bad_loss), ("the gradient norm", bad_grads)) if bad)
+            what += f" {'are' if bad_loss and bad_grads else 'is'} not finite (grad_norm={norm})"
+            step = self.state.global_step + 1
+            if halt:
+                raise NonFiniteError(
+                    f"optimizer step {step}: {what}; stopped without updating or saving (train.on_nonfinite=stop). "
+                    "Lower optim.lr, check the data, or set train.on_nonfinite=skip to skip such steps"
+                )
+            self.nonfinite_skipped += 1
+            logger.warning(f"optimizer step {step}: {what}; no update ({self.nonfinite_skipped} skipped so far)")
+        return grad_norm
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and "grad_norm" in logs:
+            logs["nonfinite_skipped"] = self.nonfinite_skipped
+        super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        from finetune.optim import build_optimizer
+
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(model if model is not None else self.model, self.optim_config, self.peak_lr)
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        from finetune.schedules import build_scheduler
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, num_training_steps, self.schedule_config)
+        return super().create_scheduler(num_training_steps, optimizer)
