@@ -90,6 +90,8 @@ STEP_FIELDS = [  # (log key, label, format) of the one console line per logged o
 
 def step_line(logs: dict, step: int, max_steps: int) -> str:
     fields = [f"{label} {fmt.format(logs[key])}" for key, label, fmt in STEP_FIELDS if logs.get(key) is not None]
+    if logs.get("nonfinite_skipped"):  # only once a step was skipped (train.on_nonfinite=skip)
+        fields.append(f"skipped {logs['nonfinite_skipped']} non-finite")
     return f"step {step}/{max_steps}  " + "  ".join(fields)
 
 

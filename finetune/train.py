@@ -3,7 +3,7 @@
     accelerate launch finetune/train.py recipe=recipes/quickstart.yaml optim.lr=1e-5
     python finetune/train.py recipe=recipes/debug.yaml train.max_steps=3
 
-Top to bottom: recipe → model → data → batching → trainer → train → save. `build(cfg)` stops before training, so
+Top to bottom: recipe → tokenizer → data → batching → schedule → model → trainer → train → save. `build(cfg)` stops before training, so
 `finetune.verify` and `finetune.plan` run exactly what training runs.
 """
 
@@ -50,14 +50,12 @@ def build(cfg: Config, callbacks: tuple = ()):
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
 
-    # model and tokenizer (a GGUF is converted once into a plain folder in the cache)
+    # tokenizer (a GGUF is converted once into a plain folder in the cache)
     folder = models.model_folder(cfg.model)
     vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows (finetune/vlm.py)
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else models.load_tokenizer(cfg.model, folder)
-    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
-    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else models.load_model(cfg.model, folder)
 
-    # data and batching
+    # data and batching, before the model: a bad row fails in seconds
     if cfg.data.streaming:
         dataset, report = stream_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
     else:
@@ -72,6 +70,10 @@ def build(cfg: Config, callbacks: tuple = ()):
     lr = schedules.peak_lr(cfg)
     schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
+
+    # model
+    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
+    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else models.load_model(cfg.model, folder)
 
     # trainer
     args = TrainingArguments(
