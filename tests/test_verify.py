@@ -11,6 +11,7 @@ import pytest
 
 from finetune import verify
 from finetune.config import RecipeError, load_config
+from finetune.reference_check import group_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -106,8 +107,8 @@ def test_verify_arguments_and_tolerances():
     assert verify.tolerance_for(load_config([DEBUG])) == (1e-5, "fp32")
     # the lowest precision the step runs in sets the tolerance: bf16 weights under fp32 "precision" are bf16
     assert verify.tolerance_for(load_config([DEBUG, "model.dtype=bfloat16"]))[1] == "bf16"
-    assert verify.group_of("base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight") == "model.layers.3"
-    assert verify.group_of("lm_head.weight") == "lm_head"
+    assert group_of("base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight") == "model.layers.3"
+    assert group_of("lm_head.weight") == "lm_head"
 
 
 def test_two_ranks_through_accelerate_launch():
