@@ -6,7 +6,8 @@ Candidates are the micro-batches that divide the global batch per rank (`train.g
 token budgets ≥ data.max_length dividing `train.global_batch_tokens / ranks` for token-budgeted batching), so the
 accumulation `global / (micro × ranks)` is a whole number and the global batch, hence the LR, does not change.
 A trial is one real training step of the recipe's trainer (forward, backward, optimizer step; precision, LoRA,
-freeze, checkpointing as recipe'd) on the worst case: copies of the dataset's longest row, every token a target.
+freeze, checkpointing as recipe'd) on the worst case: copies of the dataset's longest row, every token a target
+(finetune/memory_trials.py runs and measures the trials; this module chooses among the candidates).
 
 - GPU: binary search over the candidates by trials; a trial fits when it does not run out of memory and its peak
   reserved memory is within the limit.
@@ -22,16 +23,13 @@ this planner when training starts.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import io
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 from finetune.config import Config, RecipeError, is_budgeted, load_config
+from finetune.memory_trials import Trials, available_bytes, fit_line
 
 HEADROOM = 0.10
 GIB = 2**30
@@ -124,157 +122,6 @@ def largest_fitting(values: list[int], fits) -> int | None:
     return low
 
 
-def fit_line(points: dict[int, float]) -> tuple[float, float]:
-    """(fixed, per-token) bytes by least squares over {tokens: peak}; per-token ≥ 0."""
-    xs, ys = list(points), list(points.values())
-    if len(xs) == 1:
-        return ys[0], 0.0
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
-    return my - slope * mx, slope
-
-
-def available_bytes(device) -> tuple[float, str]:
-    """What this process may grow to: the GPU's memory, or its RSS plus the RAM available, shared by local ranks."""
-    import psutil
-    import torch
-
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory), torch.cuda.get_device_name(device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    held = psutil.Process().memory_info().rss
-    room = (held + psutil.virtual_memory().available) / local
-    return room, "this process + available RAM" + (f", shared by {local} local ranks" if local > 1 else "")
-
-
-class Trials:
-    """Real training steps of the recipe's trainer on worst-case micro-batches, with their peak memory."""
-
-    def __init__(self, cfg: Config, smallest: int):
-        import torch
-
-        from finetune.train import build
-
-        trial = copy.deepcopy(cfg)
-        if is_budgeted(trial.data):
-            trial.data.max_tokens_per_micro_batch = smallest
-        else:
-            trial.train.micro_batch_size = smallest
-        trial.train.output_dir = tempfile.mkdtemp(prefix="finetune-plan-")
-        trial.train.save_steps, trial.train.resume_from, trial.log.wandb_mode = 0, None, "disabled"
-        with contextlib.redirect_stdout(io.StringIO()):  # build's start-up lines are training's, not the plan's
-            self.trainer = build(trial)
-        self.cfg, self.model, self.device = trial, self.trainer.model, self.trainer.args.device
-        self.longest = self._longest_row()
-        self.trainer.create_optimizer()
-        args = self.trainer.args
-        if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        self.on_gpu = self.device.type == "cuda"
-        self.oom = torch.OutOfMemoryError
-        self.warm_up = smallest  # the first step creates the optimizer state (and the trainer probes its loss head)
-
-    def _longest_row(self) -> dict:
-        dataset = self.trainer.train_dataset
-        rows = dataset.rows if hasattr(dataset, "rows") else dataset  # budgeted: MicroBatches keeps the rows
-        lengths = rows["input_ids"] if hasattr(rows, "column_names") else [r["input_ids"] for r in rows]
-        longest = max(range(len(lengths)), key=lambda i: len(lengths[i]))
-        return dict(rows[longest])
-
-    def items(self, value: int) -> tuple[list, int]:
-        """What the collator gets for a worst-case micro-batch of `value`, and its token count."""
-        row, length = self.longest, len(self.longest["input_ids"])
-        text = set(row) <= {"input_ids", "labels", "attention_mask"}
-        if not is_budgeted(self.cfg.data):
-            count, keep = value, length
-        elif text:  # as many tokens as the budget holds, in rows no longer than the longest
-            count = math.ceil(value / length)
-            keep = value // count
-        else:  # rows with images are not cut
-            count, keep = max(1, value // length), length
-        ids = list(row["input_ids"])[:keep]
-        copy_row = {**row, "input_ids": ids, "labels": list(ids)} if text else dict(row)
-        copy_row.pop("attention_mask", None)
-        rows = [dict(copy_row) for _ in range(count)]
-        return ([rows] if is_budgeted(self.cfg.data) else rows), count * len(copy_row["input_ids"])
-
-    def peak(self, value: int) -> tuple[float, float]:
-        """One training step at `value`: (memory before, peak memory), bytes; torch.OutOfMemoryError on a GPU."""
-        import gc
-
-        import torch
-
-        if self.warm_up:
-            smallest, self.warm_up = self.warm_up, None
-            self.peak(smallest)
-        items, tokens = self.items(value)
-        batch = self.trainer.data_collator(items)
-        self.model.zero_grad(set_to_none=True)
-        gc.collect()
-        profiler = None
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_reserved(self.device)
-        else:
-            before = trimmed_rss()
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            with quiet_stderr():  # kineto prints a line at every start and stop
-                profiler.start()
-        try:
-            with self.trainer.accelerator.autocast():
-                self.trainer.training_step(self.model, batch, num_items_in_batch=torch.tensor(tokens))
-            self.trainer.optimizer.step()
-            self.model.zero_grad(set_to_none=True)
-        finally:
-            if profiler:
-                with quiet_stderr():
-                    profiler.stop()
-            self.model.zero_grad(set_to_none=True)
-            del batch
-        peak = torch.cuda.max_memory_reserved(self.device) if self.on_gpu else before + peak_allocation(profiler)
-        return float(before), float(peak)
-
-    def tokens(self, value: int) -> int:
-        return self.items(value)[1]
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """File descriptor 2 to /dev/null for a moment: C++ code writes there directly."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-def trimmed_rss() -> float:
-    """Resident memory after handing freed heap back to the OS (glibc's malloc_trim), bytes."""
-    import ctypes
-
-    import psutil
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return float(psutil.Process().memory_info().rss)
-
-
-def peak_allocation(profiler) -> float:
-    """The largest running total of CPU tensor allocations minus frees over a profiled region, bytes."""
-    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
-    running = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        if event.device_type().name == "CPU":
-            running += event.nbytes()
-            peak = max(peak, running)
-    return float(peak)
 
 
 def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float | None = None,

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from finetune import memory_trials
 from finetune import plan as planner
 from finetune.config import RecipeError, load_config
 
@@ -31,12 +32,12 @@ def rss_high_water_mark() -> float:
 @pytest.fixture(scope="module")
 def debug32():
     cfg = load_config([DEBUG, "train.global_batch_size=32"])
-    return cfg, planner.Trials(cfg, 1)
+    return cfg, memory_trials.Trials(cfg, 1)
 
 
 def step_high_water_mark(trials, value) -> float:
     """Peak RSS of one worst-case training step at `value`, as the operating system counts it."""
-    planner.trimmed_rss()
+    memory_trials.trimmed_rss()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # restart the RSS high-water mark (Linux)
     trials.peak(value)
@@ -87,7 +88,7 @@ def test_candidates_and_search():
     values = [1, 2, 3, 4, 6, 12, 24]
     assert values[planner.largest_fitting(values, fits)] == 6 and len(tried) <= 4
     assert planner.largest_fitting(values, lambda v: False) is None
-    assert planner.fit_line({100: 1000.0, 200: 1500.0, 400: 2500.0}) == pytest.approx((500.0, 5.0))
+    assert memory_trials.fit_line({100: 1000.0, 200: 1500.0, 400: 2500.0}) == pytest.approx((500.0, 5.0))
 
 
 class GpuLikeTrials:
