@@ -1,4 +1,4 @@
-"""Training throughput and memory of HF Trainer, a hand-written loop and our batching modes, side by side in one process.
+"""Training throughput and memory of HF Trainer, a hand-written loop and our batching modes, side by side, one process.
 
     OMP_NUM_THREADS=2 python scripts/benchmark.py --quick [--json bench.json]
     OMP_NUM_THREADS=2 python scripts/benchmark.py --steps 3 --rounds 2 --json bench.json
@@ -14,8 +14,9 @@ arm; `--model smollm2`: the real SmolLM2-135M), micro-batch 8 × accumulation 4,
   data.batching set (what users run). token_budget holds the mean computed tokens of a random padded micro-batch of 8
   (`data.max_tokens_per_micro_batch`) and 4× that per optimizer step (`train.global_batch_tokens`); packed puts 8
   sequences in a row, as hf_flatten does (`--packed budget`: filled to the token budget instead);
-- hand_loop:  plain PyTorch over exactly the micro-batches hf_padded trained on: full logits, shifted cross-entropy
-  summed and divided by the window's label tokens, backward, clip, AdamW (foreach on CPU, fused on CUDA).
+- hand_loop:  plain PyTorch over exactly the micro-batches hf_padded trained on: full logits, cross-entropy against the
+  shifted labels summed and divided by the window's label tokens, backward, clip, AdamW (foreach on CPU, fused on
+  CUDA, as ours).
 
 Each arm builds its model (same seed) and trainer, runs `--warmup` optimizer steps untimed, then `--steps` timed; rounds
 repeat all arms in a rotated order and report the median rate. Tokens are counted at the model's forward: computed =
@@ -247,7 +248,9 @@ class Bench:
                 ids, mask, labels = (batch[key].to(device) for key in ("input_ids", "attention_mask", "labels"))
                 clock(model, (), {"input_ids": ids, "attention_mask": mask})
                 logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+                # shift the labels, not the logits: slicing [B, T, V] logits would copy them
+                targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
                 (loss / label_tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm)
             optimizer.step()
@@ -366,9 +369,10 @@ def run_arm(bench: Bench, memory: PeakMemory, arm: str, label: str, started: flo
         memory.start()
         result = {**bench.run(arm).result(bench.args.warmup), "peak_mem_mb": memory.peak_mb(), "attempts": attempt + 1}
         attempts.append(result)
-        rate = result["real_tokens"] / result["seconds"]
-        print(f"  {label} {arm}: {rate:.0f} real tokens/s, {result['seconds']:.1f} s timed ({result['cpu_seconds']:.1f} s "
-              f"CPU, others {result['others_cpu']:.0%}), peak {result['peak_mem_mb']:.0f} MiB [{time.perf_counter() - started:.0f} s]", flush=True)
+        r, elapsed = result, time.perf_counter() - started
+        print(f"  {label} {arm}: {r['real_tokens'] / r['seconds']:.0f} real tokens/s, {r['seconds']:.1f} s timed "
+              f"({r['cpu_seconds']:.1f} s CPU, others {r['others_cpu']:.0%}), peak {r['peak_mem_mb']:.0f} MiB "
+              f"[{elapsed:.0f} s]", flush=True)
         if result["others_cpu"] <= bench.args.max_others:
             break
     return min(attempts, key=lambda r: r["others_cpu"])
