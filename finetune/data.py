@@ -1,179 +1,29 @@
-"""SFT rows from the recipe's `data:` section: read, check, render through the chat template, tokenize, label.
+"""SFT rows from the recipe's `data:` section: check, render through the chat template, tokenize, label.
 
 `load_sft_dataset(data, tokenizer)` returns a `datasets.Dataset` with `input_ids` and `labels` (-100 where there is
 no loss; not shifted: labels[i] is the target token at position i, the trainer shifts) and a `DataReport`.
 
-Sources: `stdlib_docs` (built in, see finetune/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
-them; otherwise a hub dataset id. Formats: `messages` ([{role, content}, …]), `prompt`/`completion` (strings, or
-lists of messages), `text`. Chat rows go through `tokenizer.apply_chat_template`; the assistant spans come from
-prefix renderings (most templates have no `{% generation %}` tags): for assistant turn i, messages[:i] with the
-generation prompt ends where the turn starts and messages[:i+1] ends where it ends. The span keeps the end-of-turn
-token (e.g. `<|im_end|>`) but not the whitespace the template puts after it, which the model never generates.
+Rows come from finetune/sources.py (`stdlib_docs`, a file or folder, a hub dataset id). Formats: `messages`
+([{role, content}, …]), `prompt`/`completion` (strings, or lists of messages), `text`. Chat rows go through
+`tokenizer.apply_chat_template`; the assistant spans come from prefix renderings (most templates have no
+`{% generation %}` tags): for assistant turn i, messages[:i] with the generation prompt ends where the turn starts
+and messages[:i+1] ends where it ends. The span keeps the end-of-turn token (e.g. `<|im_end|>`) but not the
+whitespace the template puts after it, which the model never generates.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import DataConfig, RecipeError
+from finetune.sources import BadRow, DataReport, Record, read_records, reject_row
 
 IGNORE = -100
-FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-PATH_SUFFIXES = set(FILE_KINDS) | {".txt", ".tsv", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
 COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 
 if TYPE_CHECKING:
     import datasets
-
-Record = tuple[str, Any]  # (where: "file line 7", the raw row)
-
-
-@dataclass
-class DataReport:
-    source: str = ""
-    format: str = ""
-    rows_read: int = 0
-    rows_kept: int = 0
-    truncated: int = 0
-    dropped_over_length: int = 0
-    dropped_no_supervised_tokens: int = 0
-    bad_rows_skipped: int = 0
-    tokens: int = 0  # input tokens over the kept rows
-    target_tokens: int = 0  # supervised targets after the causal shift
-    streamed: bool = False  # data.streaming: rows are read as training goes, counts unknown at start
-
-    def summary(self) -> str:
-        if self.streamed:
-            return f"{self.source} ({self.format}), streamed: rows are read, tokenized and labelled as training goes"
-        counts = [
-            (self.truncated, "truncated"), (self.dropped_over_length, "dropped over data.max_length"),
-            (self.dropped_no_supervised_tokens, "dropped without targets"), (self.bad_rows_skipped, "bad skipped"),
-        ]
-        extra = "".join(f", {n:,} {what}" for n, what in counts if n)
-        return (
-            f"{self.source} ({self.format}): {self.rows_kept:,} of {self.rows_read:,} rows kept{extra}; "
-            f"{self.tokens:,} tokens, {self.target_tokens:,} targets"
-        )
-
-
-class BadRow(Exception):
-    """A row that cannot be used: an error, or skipped and counted with data.on_bad_row=skip."""
-
-
-def _bad(data: DataConfig, report: DataReport, where: str, why: str) -> None:
-    if data.on_bad_row == "error":
-        raise RecipeError(f"{where}: {why} (data.on_bad_row=skip skips such rows)")
-    report.bad_rows_skipped += 1
-
-
-# ---- reading ----
-
-
-def _looks_like_path(source: str) -> bool:
-    return (
-        Path(source).suffix.lower() in PATH_SUFFIXES or source.startswith(("/", "./", "../", "~"))
-        or source.count("/") > 1 or "\\" in source
-    )
-
-
-def _room(data: DataConfig, report: DataReport, available: int) -> int:
-    return available if data.limit is None else max(0, min(available, data.limit - report.rows_read))
-
-
-def _take(items: list, label: str, data: DataConfig, report: DataReport, out: list[Record]) -> None:
-    room = _room(data, report, len(items))
-    report.rows_read += room
-    out += [(f"{label} {k + 1}", item) for k, item in enumerate(items[:room])]
-
-
-def json_line_records(path: Path, lines, data: DataConfig, report: DataReport):
-    """(where, record) per non-empty JSON line of an iterable of byte lines, up to data.limit; bad lines per
-    data.on_bad_row."""
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        if not _room(data, report, 1):
-            return
-        report.rows_read += 1
-        where = f"{path} line {number}"
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            _bad(data, report, where, "not UTF-8")
-            continue
-        except json.JSONDecodeError as e:
-            _bad(data, report, where, f"not valid JSON ({e.msg} at column {e.colno})")
-            continue
-        yield where, record
-
-
-def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Record]) -> None:
-    kind = FILE_KINDS[path.suffix.lower()]
-    if kind in ("parquet", "csv"):
-        import datasets
-
-        try:
-            table = datasets.load_dataset(kind, data_files=str(path), split="train")
-        except Exception as e:
-            raise RecipeError(f"{path}: cannot read as {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
-        return _take(table.select(range(_room(data, report, len(table)))).to_list(), f"{path} row", data, report, out)
-    content = path.read_bytes()
-    if kind == "json" and content.lstrip().startswith(b"["):  # a JSON array; anything else is JSON lines
-        try:
-            items = json.loads(content.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-            raise RecipeError(f"{path}: not a valid JSON array ({at})") from None
-        return _take(items, f"{path} item", data, report, out)
-    out.extend(json_line_records(path, content.splitlines(), data, report))
-
-
-def folder_files(path: Path, source: str) -> list[Path]:
-    """The data files of a folder, sorted, hidden ones skipped."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_KINDS
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    if not files:
-        raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files")
-    return files
-
-
-def read_records(data: DataConfig, report: DataReport) -> list[Record]:
-    """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
-    source, out = data.source, []
-    if source == "stdlib_docs":
-        from finetune.stdlib_docs import ensure_cached
-
-        _read_file(ensure_cached(), data, report, out)
-        return out
-    path = Path(source).expanduser()
-    if path.is_dir():
-        for file in folder_files(path, source):
-            if _room(data, report, 1):
-                _read_file(file, data, report, out)
-        return out
-    if path.is_file():
-        if path.suffix.lower() not in FILE_KINDS:
-            raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
-        _read_file(path, data, report, out)
-        return out
-    if _looks_like_path(source):
-        raise RecipeError(f"data.source={source}: no such file or folder")
-    import datasets
-
-    try:
-        table = datasets.load_dataset(source, split=data.split)
-    except Exception as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RecipeError(
-            f"data.source={source}: neither a local path nor a reachable hub dataset (split {data.split}: {why})"
-        ) from None
-    rows = table.select(range(_room(data, report, len(table)))).to_list()
-    _take(rows, f"{source} [{data.split}] row", data, report, out)
-    return out
 
 
 # ---- rows to conversations or text ----
@@ -241,7 +91,7 @@ def parse_row(fmt: str, record: Any, loss_on: str) -> tuple[Any, list[int]]:
 # ---- tokenizing and labelling ----
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's raise_exception: e.g. roles that do not alternate
@@ -272,8 +122,8 @@ def row_strings(fmt: str, record: Any, tokenizer, loss_on: str) -> list[str]:
     if fmt == "text":
         return [row]
     turns = [] if loss_on == "all" else turns
-    return [_render(tokenizer, row, False)] + [_render(tokenizer, row[:i], True) for i in turns] + [
-        _render(tokenizer, row[: i + 1], False) for i in turns]
+    return [render_chat(tokenizer, row, False)] + [render_chat(tokenizer, row[:i], True) for i in turns] + [
+        render_chat(tokenizer, row[: i + 1], False) for i in turns]
 
 
 def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple[list[int], list[int]]:
@@ -325,7 +175,7 @@ def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, Dat
         try:
             texts = row_strings(fmt, record, tokenizer, data.loss_on)
         except BadRow as e:
-            _bad(data, report, where, str(e))
+            reject_row(data, report, where, str(e))
             continue
         rows.append((where, len(strings), len(texts)))
         strings += texts
@@ -336,7 +186,7 @@ def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, Dat
         try:
             ids, labels = row_labels(fmt, data.loss_on, encoded[at : at + n], blank)
         except BadRow as e:
-            _bad(data, report, where, str(e))
+            reject_row(data, report, where, str(e))
             continue
         kept = fit_row(data, report, where, ids, labels)
         if kept:

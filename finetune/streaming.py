@@ -2,9 +2,10 @@
 
 Files are read line by line (jsonl), batch by batch (parquet) or row by row (csv); a hub id goes through
 `datasets.load_dataset(..., streaming=True)`. Every row goes through the same functions as the in-memory path
-(`finetune/data.py`: chat template, label spans, data.max_length/truncation, data.on_bad_row), so a streamed row is
-exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs `train.max_steps`,
-and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted packing) do not apply.
+(`finetune/data.py`: chat template, label spans, data.max_length/truncation; `finetune/sources.py`: data.on_bad_row),
+so a streamed row is exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs
+`train.max_steps`, and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted
+packing) do not apply.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 import torch
 
 from finetune.config import DataConfig, RecipeError
-from finetune.data import (
-    FILE_KINDS, BadRow, DataReport, Record, _bad, _looks_like_path, blank_tokens, detect_format, fit_row, folder_files,
-    json_line_records, row_labels, row_strings,
+from finetune.data import blank_tokens, detect_format, fit_row, row_labels, row_strings
+from finetune.sources import (
+    FILE_KINDS, BadRow, DataReport, Record, folder_files, json_line_records, looks_like_path, reject_row,
 )
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -69,7 +70,7 @@ def stream_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
             if path.suffix.lower() not in FILE_KINDS:
                 raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
             records = _file_records(path, data, report)
-        elif _looks_like_path(source):
+        elif looks_like_path(source):
             raise RecipeError(f"data.source={source}: no such file or folder")
         else:
             records = _hub_records(data, report)
@@ -128,7 +129,7 @@ class StreamingSFT(torch.utils.data.IterableDataset):
                 encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
                 ids, labels = row_labels(fmt, data.loss_on, encoded, blank)
             except BadRow as e:
-                _bad(data, report, where, str(e))
+                reject_row(data, report, where, str(e))
                 continue
             kept = fit_row(data, report, where, ids, labels)
             if kept:

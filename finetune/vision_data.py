@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from finetune.config import DataConfig, RecipeError
-from finetune.data import IGNORE, BadRow, DataReport, _bad, _render, detect_format, read_records, row_labels
+from finetune.data import IGNORE, detect_format, render_chat, row_labels
+from finetune.sources import BadRow, DataReport, read_records, reject_row
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
 IMAGE_TOKEN_NAMES = ("image_token", "fake_image_token", "global_image_token", "boi_token", "eoi_token",
@@ -141,8 +142,9 @@ def encode_row(processor, messages: list[dict], images: list, loss_on: str, blan
     turns = [] if loss_on == "all" else turns[-1:] if loss_on == "completion" else turns
     if loss_on != "all" and not turns:
         raise BadRow("no assistant turn to learn from")
-    strings = [_render(processor, messages, False)] + [_render(processor, messages[:i], True) for i in turns] + [
-        _render(processor, messages[: i + 1], False) for i in turns]
+    strings = [render_chat(processor, messages, False)] + [
+        render_chat(processor, messages[:i], True) for i in turns] + [
+        render_chat(processor, messages[: i + 1], False) for i in turns]
     image_token = getattr(processor, "image_token", "<image>")
     encoded = []
     for text in strings:
@@ -187,7 +189,7 @@ def load_vision_dataset(data: DataConfig, processor):
                     raise BadRow(f"image {k} of {len(refs)}: {e}") from None
             ids, labels = encode_row(processor, messages, opened, data.loss_on, blank)
         except BadRow as e:
-            _bad(data, report, where, str(e))
+            reject_row(data, report, where, str(e))
             continue
         labels = [IGNORE if t in image_ids else label for t, label in zip(ids, labels)]
         if len(ids) > data.max_length:

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from finetune import stdlib_docs
 from finetune.config import DataConfig, RecipeError
-from finetune.data import DataReport, load_sft_dataset
+from finetune.data import load_sft_dataset
+from finetune.sources import DataReport
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOT = "<|im_end|>"
