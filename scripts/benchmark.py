@@ -331,7 +331,7 @@ def print_report(results: dict, memory_kind: str, header: str, accumulation: int
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step per arm, 1 round")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step per arm, 1 round, no re-runs")
     parser.add_argument("--steps", type=int, help="timed optimizer steps per arm per round (default 3; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--rounds", type=int, help="repeats of all arms, rotated order (default 2; --quick 1)")
@@ -348,10 +348,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-others", type=float, default=0.1,
                         help="re-run an arm when other processes used more than this share of the machine's CPU "
                              "during its timed steps (default 0.1)")
-    parser.add_argument("--retries", type=int, default=2, help="re-runs per arm at most (default 2)")
+    parser.add_argument("--retries", type=int, help="re-runs per arm at most (default 2; --quick 0, to stay quick)")
     parser.add_argument("--json", help="write {arm: {real_tokens_per_s, real_token_share, peak_mem_mb, …}} here")
     args = parser.parse_args(argv)
     args.steps, args.rounds = args.steps or (1 if args.quick else 3), args.rounds or (1 if args.quick else 2)
+    args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
     asked = args.arms.split(",")
     if set(asked) - set(ARMS):
         parser.error(f"unknown arm(s) {', '.join(sorted(set(asked) - set(ARMS)))}; choose from {', '.join(ARMS)}")
