@@ -412,6 +412,7 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of --model smollm2
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     bench = Bench(args)
