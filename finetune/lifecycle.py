@@ -23,9 +23,9 @@ from finetune.config import RecipeError, TrainConfig
 
 def check_writable(output_dir: str) -> None:
     """Fail before training, not at the first save hours later; a folder made for the test is removed again."""
+    if os.environ.get("RANK", "0") != "0":
+        return  # one rank probes: several probing one folder could not tell whose folder to remove
     missing = [p for p in [output_dir, *map(str, Path(output_dir).parents)] if not os.path.exists(p)]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        missing = []  # another rank may be probing the same folder: leave it
     probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
     try:
         os.makedirs(output_dir, exist_ok=True)

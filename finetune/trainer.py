@@ -168,7 +168,7 @@ class TokenNormTrainer(Trainer):
 
     def _forward(self, model, inputs: dict, chunked: bool):
         """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None)."""
-        if chunked and self._chunked_head is None:
+        if chunked and self._chunked_head is None and inputs["logits_to_keep"].any():
             self._chunked_head = self._probe_head(model, inputs) or False
         if not chunked or not self._chunked_head:
             return model(**inputs), None
@@ -182,6 +182,10 @@ class TokenNormTrainer(Trainer):
         Once per run: a forward without gradients on the unwrapped model whose head is fed one row, so no
         [tokens × vocab] logits are made; random state untouched, so a resumed run's steps equal the uninterrupted run's.
         """
+        # The chunked loss uses the head's weight outside the model's forward: FSDP has resharded it by then, and DDP
+        # searching for unused parameters would count it unused and then see its gradient arrive (ready twice).
+        if self.is_fsdp_enabled or getattr(model, "find_unused_parameters", False):
+            return None
         unwrapped = self.accelerator.unwrap_model(model)
         head = plain_head(unwrapped)
         if head is None:

@@ -57,6 +57,10 @@ def test_sync_each_batch_reduces_after_every_micro_batch(runs):
 
 def test_label_tokens_are_all_reduced_once_per_window(runs):
     for run in runs.values():
-        # one integer all-reduce (the window's counts, label tokens first) per optimizer step, before the window's
-        # first backward; no float all-reduce outside DDP's gradient buckets (none inside the loss)
-        assert run["other_all_reduces"] == [(ACCUMULATION * s, "torch.int64") for s in range(STEPS)]
+        # per optimizer step: one int64 all-reduce of the window's counts (label tokens first) before its first
+        # backward, and one int32 all-reduce of the step's flags (non-finite loss, non-finite gradients, stop request)
+        # after its last; no float all-reduce outside DDP's gradient buckets (none inside the loss)
+        expected = []
+        for s in range(STEPS):
+            expected += [(ACCUMULATION * s, "torch.int64"), (ACCUMULATION * (s + 1), "torch.int32")]
+        assert run["other_all_reduces"] == expected

@@ -68,8 +68,8 @@ def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(t
     out = tmp_path / "quick"
     result = run(
         [sys.executable, "finetune/train.py", "recipe=recipes/quickstart.yaml", f"train.output_dir={out}",
-         "train.max_steps=2", "train.global_batch_size=2", "train.micro_batch_size=1", "data.max_length=64",
-         "data.limit=32"],
+         "train.max_steps=2", "schedule.warmup_steps=1", "train.global_batch_size=2", "train.micro_batch_size=1",
+         "data.max_length=64", "data.limit=32"],
         env={"WANDB_MODE": "offline"},
     )
     assert len(step_logs(out)) == 2
