@@ -204,6 +204,9 @@ class Bench:
         clock = Clock(cuda)
         clock.attach(trainer)
         trainer.train()
+        # what accumulating must keep between micro-batches: one gradient per trainable parameter
+        trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+        self.gradient_mb = sum(p.numel() * p.element_size() for p in trainable) / 2**20
         return clock
 
     def new_model(self):
@@ -323,7 +326,9 @@ def print_report(results: dict, memory_kind: str, header: str, accumulation: int
               f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}{r['real_tokens_per_cpu_s']:>15.0f}"
               f"{r['others_cpu_share']:>11.0%}{r['timed_steps']:>12}")
     if "peak_mem_mb_accumulation_1" in results.get("packed", {}):
-        print(f"{'packed, accumulation 1':<24}{'':>37}{results['packed']['peak_mem_mb_accumulation_1']:>9.0f}")
+        packed = results["packed"]
+        print(f"{'packed, accumulation 1':<24}{'':>37}{packed['peak_mem_mb_accumulation_1']:>9.0f}   (accumulating "
+              f"keeps the gradients between micro-batches: {packed['gradient_mb']:.0f} MiB)")
     print("\ntargets:")
     for name, passed, measured in targets(results, accumulation):
         print(f"  {'n/a ' if passed is None else 'PASS' if passed else 'FAIL'}  {name}: {measured}")
@@ -403,6 +408,7 @@ def measure(bench: Bench, started: float) -> tuple[dict, str]:
     results = {arm: summarize(r) for arm, r in runs.items()}
     if accumulation_1 is not None:
         results["packed"]["peak_mem_mb_accumulation_1"] = accumulation_1
+        results["packed"]["gradient_mb"] = bench.gradient_mb
     return results, memory.kind
 
 
