@@ -42,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,10 +69,11 @@ def machine_busy() -> float:
 
 
 class PeakMemory:
-    """Peak memory of one arm above its start, in MiB: CUDA allocations, or the process RSS high-water mark."""
+    """Peak memory of one arm above its start, in MiB: CUDA allocations, or the process's resident set: its high-water
+    mark (VmHWM, reset through /proc/self/clear_refs), or where that cannot be reset, VmRSS sampled every 2 ms."""
 
     def __init__(self, cuda: bool):
-        self.cuda = cuda
+        self.cuda, self.sampler = cuda, None
         self.kind = "CUDA max_memory_allocated" if cuda else "CPU resident set (VmHWM)"
 
     def start(self) -> None:
@@ -84,13 +86,37 @@ class PeakMemory:
             return
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap pages, so the previous arm's stay out
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
         self.base = proc_status_kb("VmRSS") * 1024
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
+        except OSError:
+            self.kind = "CPU resident set (VmRSS sampled every 2 ms)"
+            self.sampler = RssSampler()
 
     def peak_mb(self) -> float:
         if self.cuda:
             return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        return (proc_status_kb("VmHWM") * 1024 - self.base) / 2**20
+        peak = self.sampler.stop() if self.sampler else proc_status_kb("VmHWM")
+        self.sampler = None
+        return (peak * 1024 - self.base) / 2**20
+
+
+class RssSampler(threading.Thread):
+    """The largest VmRSS (KiB) seen until `stop()`."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.done = proc_status_kb("VmRSS"), threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.002):
+            self.peak = max(self.peak, proc_status_kb("VmRSS"))
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return max(self.peak, proc_status_kb("VmRSS"))
 
 
 class Clock:
