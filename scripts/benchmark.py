@@ -8,7 +8,8 @@ The built-in docstring set with the SmolLM2 tokenizer and chat template (loss on
 recipes/bench.yaml (Llama-shaped, hidden 384, 6 layers, SmolLM2 vocabulary, random init with the same seed for every
 arm; `--model smollm2`: the real SmolLM2-135M), micro-batch 8 × accumulation 4, fp32. Arms:
 
-- hf_padded:  transformers.Trainer, DataCollatorForSeq2Seq (labels -100 on padding), random order;
+- hf_padded:  transformers.Trainer (TrainingArguments defaults otherwise: fused AdamW, linear schedule),
+  DataCollatorForSeq2Seq (labels -100 on padding), random order;
 - hf_flatten: transformers.Trainer, DataCollatorWithFlattening (padding-free rows of 8 sequences);
 - padded, length_grouped, token_budget, packed: ours, `finetune.train.build(cfg)` on recipes/bench.yaml with
   data.batching set (what users run). token_budget holds the mean computed tokens of a random padded micro-batch of 8
@@ -23,8 +24,11 @@ repeat all arms in a rotated order and report the median rate. Tokens are counte
 input_ids elements, real = attention-mask ones (every position of a padding-free row). Peak memory above the arm's
 start (weights, gradients and optimizer states included): on CUDA max_memory_allocated; on CPU the resident-set
 high-water mark (VmHWM, reset through /proc/self/clear_refs) after gc and malloc_trim. The packed arm runs once more
-with accumulation 1 over the same micro-batches, for the accumulation memory target. "real tok/CPU-s" divides by this
-process's CPU time: steadier than wall-clock when other processes share the cores (the targets use wall-clock).
+with accumulation 1 over the same micro-batches, for the accumulation memory target.
+
+On a shared machine wall-clock rates mean little: "others CPU" is the share of the machine's CPU time other processes
+used during an arm's timed steps, and an arm is re-run (`--retries`) while they took cores its threads needed. CPU time
+("real tok/CPU-s") is no cure: threads that wait for a busy core spin and inflate it. The targets use wall-clock.
 """
 
 from __future__ import annotations
