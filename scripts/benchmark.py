@@ -401,9 +401,9 @@ def run_arm(bench: Bench, memory: PeakMemory, arm: str, label: str, started: flo
     """One run of the arm, repeated (up to --retries times) while other processes took more than --max-others of the
     machine's CPU beyond the cores our threads leave free, during its timed steps; the least disturbed run counts."""
     attempts = []
-    for attempt in range(1 + bench.args.retries):
+    for _ in range(1 + bench.args.retries):
         memory.start()
-        result = {**bench.run(arm).result(bench.args.warmup), "peak_mem_mb": memory.peak_mb(), "attempts": attempt + 1}
+        result = {**bench.run(arm).result(bench.args.warmup), "peak_mem_mb": memory.peak_mb()}
         attempts.append(result)
         r, elapsed = result, time.perf_counter() - started
         print(f"  {label} {arm}: {r['real_tokens'] / r['seconds']:.0f} real tokens/s, {r['seconds']:.1f} s timed "
@@ -413,7 +413,7 @@ def run_arm(bench: Bench, memory: PeakMemory, arm: str, label: str, started: flo
         spare = max(0.0, 1 - bench.args.threads / (os.cpu_count() or 1))
         if result["others_cpu"] <= spare + bench.args.max_others:
             break
-    return min(attempts, key=lambda r: r["others_cpu"])
+    return {**min(attempts, key=lambda r: r["others_cpu"]), "attempts": len(attempts)}
 
 
 def measure(bench: Bench, started: float) -> tuple[dict, str]:
