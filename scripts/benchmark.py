@@ -135,9 +135,10 @@ class Clock:
     def __call__(self, module, args, kwargs):
         if not torch.is_grad_enabled():  # a gradient-free forward (our chunked-head probe) trains on nothing
             return
-        ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
-        self.computed += ids.numel()
-        self.real += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        from finetune.meter import batch_counts  # what the trainer logs: real = attention-mask ones, or all if none
+
+        _, real, computed, _ = batch_counts(kwargs)
+        self.real, self.computed = self.real + real, self.computed + computed
         if self.batches is not None:
             keys = ("input_ids", "attention_mask", "labels")
             self.batches.append({k: kwargs[k].detach().cpu().clone() for k in keys})
