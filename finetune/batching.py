@@ -22,7 +22,9 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from finetune.config import Config, DataConfig, is_budgeted
 
-SORT_WINDOW = 512  # rows sorted together by length before budgeting: similar lengths, still a random order
+# Rows are sorted by length in windows of about this many budgeted micro-batches before grouping: rows of a micro-batch
+# have similar lengths (little padding), and micro-batches still come from a random order of rows.
+SORT_WINDOW_MICRO_BATCHES = 64
 
 
 @dataclass
@@ -48,8 +50,10 @@ def budget_groups(lengths: list[int], max_tokens: int, padded: bool, seed: int) 
     order = list(range(len(lengths)))
     rng.shuffle(order)
     groups: list[list[int]] = []
-    for start in range(0, len(order), SORT_WINDOW):
-        window = sorted(order[start : start + SORT_WINDOW], key=lambda i: -lengths[i])
+    rows_per_micro_batch = max(1, max_tokens // max(1, sorted(lengths)[len(lengths) // 2]))  # at the median length
+    sort_window = max(512, SORT_WINDOW_MICRO_BATCHES * rows_per_micro_batch)
+    for start in range(0, len(order), sort_window):
+        window = sorted(order[start : start + sort_window], key=lambda i: -lengths[i])
         group: list[int] = []
         longest = used = 0
         for i in window:
