@@ -3,8 +3,8 @@
     accelerate launch finetune/train.py recipe=recipes/quickstart.yaml optim.lr=1e-5
     python finetune/train.py recipe=recipes/debug.yaml train.max_steps=3
 
-Top to bottom: recipe → tokenizer → data → batching → schedule → model → trainer → train → save. `build(cfg)` stops before training, so
-`finetune.verify` and `finetune.plan` run exactly what training runs.
+Top to bottom: recipe → tokenizer → data → batching → schedule → model → trainer → train → save. `build(cfg)` stops
+before training, so `finetune.verify` and `finetune.plan` run exactly what training runs.
 """
 
 from __future__ import annotations
