@@ -37,8 +37,10 @@ class Batches:
 
 def row_collator(data: DataConfig, tokenizer) -> Callable:
     if data.batching == "packed":
-        # Each sequence's first label becomes -100 so no target crosses a boundary; the model derives a
-        # block-diagonal mask from the restarting position_ids (the trainer runs without a KV cache for this).
+        # Each sequence's first label becomes -100 so no target crosses a boundary; attention stays within each
+        # sequence by the restarting position_ids: train.build switches sdpa to per-sequence sdpa
+        # (finetune/packed_attention.py); others derive a block-diagonal mask
+        # or varlen bounds from them (only without a KV cache: the trainer runs without one).
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
     # Pads input_ids with the pad token and labels with -100, and builds the attention mask.
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")

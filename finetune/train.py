@@ -74,6 +74,10 @@ def build(cfg: Config, callbacks: tuple = ()):
     # model
     set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else models.load_model(cfg.model, folder)
+    if cfg.data.batching == "packed" and not vision:  # sdpa → causal sdpa per sequence (finetune/packed_attention.py)
+        from finetune.packed_attention import use_for_packed_rows
+
+        reporting.main_print(use_for_packed_rows(model))
 
     # trainer
     args = TrainingArguments(

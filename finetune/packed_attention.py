@@ -1,0 +1,192 @@
+"""Per-sequence attention for packed rows: torch sdpa with `is_causal` on each sequence's slice of the row.
+
+A packed row (`data.batching: packed`) holds several sequences whose position_ids restart at each one. Under `sdpa`,
+transformers builds a block-diagonal causal mask from the position_ids and attends over the whole row: T_row² work per
+head and layer, most of it masked out, and a masked call that cannot use sdpa's fused causal kernels. `packed_sdpa`
+(registered in transformers' AttentionInterface) attends within each sequence instead: Σ T_i² work, no mask, the same
+numbers. `finetune.train.build` switches a text model from `sdpa` to it when `data.batching` is packed, after checking
+on a small packed probe that its logits equal sdpa's (a start-up line says which ran). flash_attention_2 (CUDA) runs
+varlen on packed rows already and is left alone; any other implementation is left alone too.
+
+Where it applies: its mask function returns no mask only for a causal call without a padding mask, sliding window,
+chunk, overlay or KV-cache offset (a plain or a packed row); every other call gets sdpa's mask and runs as sdpa.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+NAME = "packed_sdpa"
+PROBE_LENGTHS = (6, 1, 2, 5)  # a one-token and a two-token sequence: the edges of a per-sequence split
+
+# (weakref to the position_ids or cu_seq_lens tensor, its version, the bounds read from it): every layer of one forward
+# is handed the same tensor, so the host reads the boundaries once per forward rather than once per layer.
+_bounds_cache: tuple = (None, -1, None)
+
+
+def cached_bounds(tensor: torch.Tensor, read) -> list[list[tuple[int, int]]]:
+    global _bounds_cache
+    ref, version, bounds = _bounds_cache
+    if ref is None or ref() is not tensor or tensor._version != version:
+        bounds = read(tensor)
+        _bounds_cache = (weakref.ref(tensor), tensor._version, bounds)
+    return bounds
+
+
+def row_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """[(start, end) of each sequence] per row; a sequence starts where the position does not follow the previous
+    one by 1 (the rule transformers' `find_packed_sequence_indices` uses for the mask this replaces)."""
+    starts = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    length = position_ids.shape[1]
+    per_row: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
+    for row, t in starts.nonzero().tolist():  # one host read per forward
+        per_row[row].append(t)
+    return [list(zip(s, s[1:] + [length])) for s in per_row]
+
+
+def cumulative_bounds(cu_seq_lens: torch.Tensor) -> list[list[tuple[int, int]]]:
+    edges = cu_seq_lens.tolist()
+    return [list(zip(edges[:-1], edges[1:]))]
+
+
+def sequence_bounds(batch: int, length: int, kwargs: dict) -> list[list[tuple[int, int]]]:
+    """Sequence bounds per row, from the flash-attention kwargs where a collator gave them, else from position_ids."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if batch == 1 and cu_q is not None and (cu_k is None or cu_k is cu_q or torch.equal(cu_q, cu_k)):
+        return cached_bounds(cu_q, cumulative_bounds)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or position_ids.dim() != 2:
+        raise RuntimeError(
+            f"attention '{NAME}' needs the [batch, length] position_ids in the attention call to find the packed "
+            "sequences; this model does not pass them: set model.attn_implementation=eager"
+        )
+    bounds = cached_bounds(position_ids, row_bounds)
+    return bounds * batch if len(bounds) == 1 and batch > 1 else bounds  # position_ids [1, T] shared by the rows
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          **kwargs):
+    """transformers' attention signature: query [B, H, T, d], key/value [B, H_kv, T, d] → ([B, T, H, d], None)."""
+    length = query.shape[2]
+    if attention_mask is not None or length != key.shape[2] or length == 1:  # not a plain causal call: sdpa's path
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise RuntimeError(f"attention '{NAME}' is causal only; this module is not ({type(module).__name__})")
+    for name in ("softcap", "position_bias", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise RuntimeError(f"attention '{NAME}' does not support {name}; use model.attn_implementation=sdpa")
+    bounds = sequence_bounds(query.shape[0], length, kwargs)
+    if all(len(row) == 1 for row in bounds):  # one sequence per row: sdpa's own causal call
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    gqa = {}
+    if groups > 1:  # sdpa's own choice: enable_gqa where its kernels take it unmasked (CUDA), else repeat once per row
+        if use_gqa_in_sdpa(None, key, value):
+            gqa["enable_gqa"] = True
+        else:
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    rows = []
+    # split, not slices: the backward of a split concatenates the pieces' gradients, where each slice's would write
+    # into a zero-filled tensor of the whole row
+    for q, k, v, row in zip(query.split(1), key.split(1), value.split(1), bounds):
+        lengths = [e - s for s, e in row]
+        pieces = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q_i, k_i, v_i, dropout_p=dropout, scale=scaling, is_causal=True, **gqa
+            ).transpose(1, 2)  # [1, T_i, H, d]: concatenated along T the output is already in transformers' layout
+            for q_i, k_i, v_i in zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+        ]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                     attention_mask=None, local_size=None, allow_is_causal_skip=True, use_vmap=False, **kwargs):
+    """No mask for a plain causal row or a packed one (the attention splits it); sdpa's mask for anything else."""
+    # `and_mask` without vmap is transformers' packed-sequence wrapper of the causal mask (custom and-masks use vmap)
+    packed = getattr(mask_function, "__name__", None) == "and_mask" and not use_vmap
+    causal = packed or (mask_function is causal_mask_function and allow_is_causal_skip)
+    plain = (attention_mask is None and local_size is None and "allow_is_bidirectional_skip" not in kwargs
+             and q_length == kv_length and isinstance(q_offset, int) and isinstance(kv_offset, int)
+             and q_offset == kv_offset == 0)
+    if causal and plain:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, **kwargs)
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, packed_sdpa_attention)
+    AttentionMaskInterface.register(NAME, packed_sdpa_mask)
+
+
+def probe_batch(model) -> dict:
+    """A packed row of PROBE_LENGTHS sequences of in-vocabulary ids, on the model's device."""
+    vocab = model.get_input_embeddings().num_embeddings
+    total = sum(PROBE_LENGTHS)
+    device = next(model.parameters()).device
+    ids = (torch.arange(total, device=device) * 7919 + 3) % max(vocab - 1, 1) + 1  # spread over the vocabulary
+    positions = torch.cat([torch.arange(n, device=device) for n in PROBE_LENGTHS])
+    return {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False}
+
+
+def probe_error(model) -> str | None:
+    """Why `packed_sdpa` would not give sdpa's logits on a small packed row (None: it does, to rounding)."""
+    batch = probe_batch(model)
+    training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    logits = {}
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # random state untouched: resumes stay bitwise
+            for implementation in ("sdpa", NAME):
+                model.config._attn_implementation = implementation
+                logits[implementation] = model(**batch).logits.float()
+    except Exception as e:  # an architecture it does not fit: keep sdpa
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        model.config._attn_implementation = "sdpa"
+        model.train(training)
+    reference = logits["sdpa"]
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2  # 16-bit: rounding of its own
+    difference = float((logits[NAME] - reference).abs().max())
+    scale = max(float(reference.abs().max()), 1.0)
+    if not difference <= tolerance * scale:
+        return f"its logits differ from sdpa's by {difference:.3g} on a packed probe row"
+    return None
+
+
+def config_reason(config) -> str | None:
+    """Why a model's attention is not plain causal everywhere (None: it is), from its config."""
+    if not getattr(config, "is_causal", True):
+        return "the model is not causal"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and set(layer_types) != {"full_attention"}:
+        return f"layer types {sorted(set(layer_types))} need sdpa's mask"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention needs sdpa's mask"
+    if getattr(config, "attention_chunk_size", None):
+        return "chunked attention needs sdpa's mask"
+    return None
+
+
+def use_for_packed_rows(model) -> str:
+    """Switch a text model on `sdpa` to `packed_sdpa` where a probe shows the same logits; the start-up line."""
+    current = model.config._attn_implementation
+    if current != "sdpa":
+        return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
+    register()
+    reason = config_reason(model.config) or probe_error(model)
+    if reason is not None:
+        return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
+    model.config._attn_implementation = NAME
+    return f"attention: {NAME}, causal sdpa on each sequence of a packed row (finetune/packed_attention.py)"
