@@ -92,12 +92,13 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        # Scaled in place: no second [vocab × hidden] buffer while the weight's gradient is accumulated (a second
+        # backward through this graph would fail autograd's version check rather than see scaled values).
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = grad_output.to(grad_hidden.dtype)
         return (
-            grad_hidden * scale,
-            grad_weight * grad_output.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None,
-            grad_bias * grad_output.to(grad_bias.dtype) if grad_bias is not None and ctx.needs_input_grad[2] else None,
+            grad_hidden.mul_(grad_output.to(grad_hidden.dtype)),
+            grad_weight.mul_(grad_output.to(grad_weight.dtype)) if ctx.needs_input_grad[1] else None,
+            grad_bias.mul_(grad_output.to(grad_bias.dtype)) if grad_bias is not None and ctx.needs_input_grad[2] else None,
             None,
             None,
         )
