@@ -137,3 +137,16 @@ def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra
     assert re.search(message, errors[0]), errors[0]
     written = [p for p in out.rglob("*") if p.is_file()] if out.is_dir() else []
     assert written == [], f"left in the output directory: {written}"
+
+
+def test_space_check_on_a_rank_whose_output_dir_is_not_made_yet(tmp_path, monkeypatch):
+    """Rank 0 alone probes (and removes again) a new train.output_dir; other ranks check space on its nearest parent."""
+    from finetune import lifecycle
+    from finetune.config import RecipeError
+
+    model = torch.nn.Linear(256, 256)  # 257 KiB of weights, 514 KiB of AdamW state
+    lifecycle.check_space(str(tmp_path / "not" / "yet"), model)  # no error: the folder is not there
+    usage = type("Usage", (), {"free": 100 * 1024})
+    monkeypatch.setattr(lifecycle.shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(RecipeError, match=r"train\.output_dir=\S+/not/yet: 0\.00 GiB free, a checkpoint needs about"):
+        lifecycle.check_space(str(tmp_path / "not" / "yet"), model)
