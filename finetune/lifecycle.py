@@ -48,7 +48,8 @@ def check_space(output_dir: str, model: torch.nn.Module) -> None:
     """A checkpoint holds the weights and about two optimizer states per trainable weight (AdamW's moments)."""
     params = list(model.parameters())
     need = sum(p.numel() * p.element_size() for p in params) + sum(p.numel() * 8 for p in params if p.requires_grad)
-    existing = next(p for p in [Path(output_dir), *Path(output_dir).parents] if p.exists())  # rank 0 made it, maybe not yet
+    # only rank 0 probes the folder (and removes it again), so on other ranks it may not exist yet
+    existing = next(p for p in [Path(output_dir), *Path(output_dir).parents] if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need:
         raise RecipeError(
