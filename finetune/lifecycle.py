@@ -106,6 +106,14 @@ def save_final(trainer, texts: dict[str, str]) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def leave_together(trainer) -> None:
+    """Ranks leave the process group together and before interpreter shutdown: a gloo rank whose peer is gone, or
+    whose worker threads still hold tensors while Python finalizes, aborts ("terminate called without an active
+    exception"), and NCCL warns of an undestroyed group."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.end()  # Accelerator.end_training: destroys the default process group where this process created it
+
+
 # ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----
 
 

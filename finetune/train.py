@@ -140,6 +140,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
         trainer.train(resume_from_checkpoint=resume)
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
+            lifecycle.leave_together(trainer)
             return 0
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
@@ -150,6 +151,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
             callback.finish(figures)
     if trainer.is_world_process_zero():
         reporting.print_summary(cfg, trainer, figures)
+    lifecycle.leave_together(trainer)
     return 0
 
 
