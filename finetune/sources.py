@@ -149,7 +149,8 @@ def read_records(data: DataConfig, report: DataReport) -> list[Record]:
         _read_file(path, data, report, out)
         return out
     if looks_like_path(source):
-        raise RecipeError(f"data.source={source}: no such file or folder")
+        raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
+                          f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
     import datasets
 
     try:

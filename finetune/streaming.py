@@ -71,7 +71,8 @@ def stream_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
                 raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
             records = _file_records(path, data, report)
         elif looks_like_path(source):
-            raise RecipeError(f"data.source={source}: no such file or folder")
+            raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
+                              f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
         else:
             records = _hub_records(data, report)
     return itertools.islice(records, data.limit) if data.limit is not None else records

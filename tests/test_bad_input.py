@@ -77,7 +77,8 @@ CASES = [
     ("recipe that is not YAML", lambda t: [f"recipe={write_jsonl(t / 'r.yaml', ['model: [unclosed'])}"], {},
      r"^error: \S+r\.yaml: not valid YAML \(.+\); fix the file$"),
     ("missing data file", lambda t: [f"data.source={t / 'nope.jsonl'}"], {},
-     r"^error: data\.source=\S+nope\.jsonl: no such file or folder$"),
+     r"^error: data\.source=\S+nope\.jsonl: no such file or folder; check the path \(relative to \S+\), or give a "
+     r"hub dataset id or stdlib_docs$"),
     ("malformed JSON line", lambda t: [f"data.source={write_jsonl(t / 'd.jsonl', [chat('a', 'b'), '{oops'])}"], {},
      r"^error: \S+d\.jsonl line 2: not valid JSON \(.+\) \(data\.on_bad_row=skip skips such rows\)$"),
     ("empty text", lambda t: [f"data.source={write_jsonl(t / 'd.jsonl', [{'text': 'fine'}, {'text': ' '}])}"], {},
