@@ -4,7 +4,9 @@ SIGTERM/SIGINT turned into "finish the step, save, say how to resume", and the f
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
 import shlex
 import shutil
@@ -12,6 +14,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -107,11 +110,29 @@ def save_final(trainer, texts: dict[str, str]) -> None:
 
 
 def leave_together(trainer) -> None:
-    """Ranks leave the process group together and before interpreter shutdown: a gloo rank whose peer is gone, or
-    whose worker threads still hold tensors while Python finalizes, aborts ("terminate called without an active
-    exception"), and NCCL warns of an undestroyed group."""
+    """At the end of a run every rank waits for the others, then the process group is destroyed (NCCL warns of an
+    undestroyed group; a rank leaving while its peer is still in a gloo collective aborts the peer)."""
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # Accelerator.end_training: destroys the default process group where this process created it
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit, skipping the interpreter's object teardown on a launched rank (WORLD_SIZE > 1).
+
+    gloo's worker thread drops the last collective's tensors under the group's lock and needs the GIL for it, after
+    wait() has returned. A group object freed in that moment deadlocks (the destructor holds the GIL and waits for the
+    lock: 1 of 60 two-rank CPU runs of tests/dist_worker.py when collected by gc), and freed during interpreter
+    shutdown it aborts the rank ("terminate called without an active exception": 3 of 60). So the exit handlers run
+    (W&B, logging) with the collector off, and the process ends without tearing objects down; everything the run
+    wrote is closed by then.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    gc.disable()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----

@@ -234,4 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from finetune.lifecycle import exit_process
+
+    exit_process(code)

@@ -156,4 +156,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    from finetune.lifecycle import exit_process
+
+    exit_process(code)

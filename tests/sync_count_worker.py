@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from transformers import TrainerCallback
 
 from finetune.config import load_config
+from finetune.lifecycle import exit_process
 from finetune.train import build
 
 
@@ -87,7 +88,10 @@ def main(out: str, *overrides: str) -> None:
     results = {flag: run([*overrides, f"train.sync_each_batch={flag}"]) for flag in ("false", "true")}
     if dist.get_rank() == 0:
         torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], *sys.argv[2:])
+    exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process

@@ -45,3 +45,27 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
     logged = next(e for e in two["log_history"] if "loss" in e and "train_loss" not in e)
     assert logged["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert logged["window_label_tokens"] == sum(tokens)
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+from finetune.lifecycle import exit_process
+
+class Held:
+    def __del__(self):
+        print("torn down", flush=True)
+
+held = Held()  # a module global: freed only by the interpreter's teardown
+atexit.register(lambda: print("exit handlers ran"))
+print("unflushed", end="")
+exit_process(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("world_size, torn_down", [("2", False), ("1", True)])
+def test_a_launched_rank_exits_with_its_code_after_the_exit_handlers_and_without_teardown(world_size, torn_down):
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, "3"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
+    assert result.returncode == 3
+    assert result.stdout.startswith("unflushed") and "exit handlers ran" in result.stdout
+    assert ("torn down" in result.stdout) is torn_down

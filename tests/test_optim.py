@@ -184,6 +184,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from finetune.config import OptimConfig
 from finetune.optim import build_optimizer
+from finetune.lifecycle import exit_process
 
 def run(model, name):
     optimizer = build_optimizer(model, OptimConfig(name=name, weight_decay=0.01, trust_coefficient=0.02), 0.05)
@@ -212,6 +213,7 @@ if dist.get_rank() == 0:
     open(sys.argv[1], "w").write(json.dumps(errors))
 dist.barrier()  # leave together: a rank whose peer has gone can abort in gloo's teardown
 dist.destroy_process_group()
+exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process
 '''
 
 
