@@ -129,28 +129,35 @@ def folder_files(path: Path, source: str) -> list[Path]:
     return files
 
 
-def read_records(data: DataConfig, report: DataReport) -> list[Record]:
-    """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
-    source, out = data.source, []
+def local_files(source: str) -> list[Path] | None:
+    """The data files data.source names (stdlib_docs: the built-in set's cached file; a folder: its data files), or
+    None for a hub dataset id. Shared by reading and streaming, so both refuse the same sources the same way."""
     if source == "stdlib_docs":
         from finetune.stdlib_docs import ensure_cached
 
-        _read_file(ensure_cached(), data, report, out)
-        return out
+        return [ensure_cached()]
     path = Path(source).expanduser()
     if path.is_dir():
-        for file in folder_files(path, source):
-            if _room(data, report, 1):
-                _read_file(file, data, report, out)
-        return out
+        return folder_files(path, source)
     if path.is_file():
         if path.suffix.lower() not in FILE_KINDS:
             raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
-        _read_file(path, data, report, out)
-        return out
+        return [path]
     if looks_like_path(source):
         raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
                           f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
+    return None
+
+
+def read_records(data: DataConfig, report: DataReport) -> list[Record]:
+    """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
+    source, out = data.source, []
+    files = local_files(source)
+    if files is not None:
+        for file in files:
+            if _room(data, report, 1):
+                _read_file(file, data, report, out)
+        return out
     import datasets
 
     try:

@@ -21,7 +21,7 @@ import torch
 from finetune.config import DataConfig, RecipeError
 from finetune.data import blank_tokens, detect_format, fit_row, row_labels, row_strings
 from finetune.sources import (
-    FILE_KINDS, BadRow, DataReport, Record, folder_files, json_line_records, looks_like_path, reject_row,
+    FILE_KINDS, BadRow, DataReport, Record, json_line_records, local_files, reject_row,
 )
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -57,24 +57,11 @@ def _numbered(rows, path: Path, report: DataReport) -> Iterator[Record]:
 
 def stream_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
     """(where, raw row) for data.source, lazily, up to data.limit rows."""
-    source = data.source
-    if source == "stdlib_docs":
-        from finetune.stdlib_docs import ensure_cached
-
-        records = _file_records(ensure_cached(), data, report)
+    files = local_files(data.source)
+    if files is None:
+        records = _hub_records(data, report)
     else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            records = itertools.chain.from_iterable(_file_records(f, data, report) for f in folder_files(path, source))
-        elif path.is_file():
-            if path.suffix.lower() not in FILE_KINDS:
-                raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
-            records = _file_records(path, data, report)
-        elif looks_like_path(source):
-            raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
-                              f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
-        else:
-            records = _hub_records(data, report)
+        records = itertools.chain.from_iterable(_file_records(f, data, report) for f in files)
     return itertools.islice(records, data.limit) if data.limit is not None else records
 
 
