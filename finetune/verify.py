@@ -31,12 +31,12 @@ model and the reference alike, so the step is deterministic.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from finetune.config import Config, RecipeError, is_budgeted, load_config
+from finetune.config import Config, RecipeError, data_parallel_ranks, is_budgeted, load_config
+from finetune.reporting import is_main_process
 from finetune.reference_check import (
     WindowRecorder, compare, make_capture, micro_batch_weights, reference_gradient, reference_placement,
     silence_dropout,
@@ -85,10 +85,6 @@ def tolerance_for(cfg: Config) -> tuple[float, str]:
     """The tolerance of the lowest precision the step runs in (mixed precision or the weights' own dtype)."""
     precision = max((cfg.train.precision, PRECISION_OF_DTYPE[cfg.model.dtype]), key=TOLERANCES.get)
     return TOLERANCES[precision], precision
-
-
-def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 
@@ -204,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not checks:
         print("error: the run made no optimizer step; is the data empty?", file=sys.stderr)
         return 2
-    text, passed = report(checks, tolerance, precision, int(os.environ.get("WORLD_SIZE", "1")))
+    text, passed = report(checks, tolerance, precision, data_parallel_ranks())
     print(text, flush=True)
     return 0 if passed else 1
 
