@@ -20,13 +20,14 @@ import torch
 
 from finetune.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
 from finetune.config import RecipeError, TrainConfig, data_parallel_ranks
+from finetune.reporting import is_main_process
 
 # ---- before training ----
 
 
 def check_writable(output_dir: str) -> None:
     """Fail before training, not at the first save hours later; a folder made for the test is removed again."""
-    if os.environ.get("RANK", "0") != "0":
+    if not is_main_process():
         return  # one rank probes: several probing one folder could not tell whose folder to remove
     missing = [p for p in [output_dir, *map(str, Path(output_dir).parents)] if not os.path.exists(p)]
     probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
@@ -161,7 +162,7 @@ class StopRequest:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        if os.environ.get("RANK", "0") == "0":
+        if is_main_process():
             print(f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
                   "(Ctrl-C again stops without saving)", file=sys.stderr, flush=True)
 

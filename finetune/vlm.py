@@ -10,7 +10,6 @@ FINETUNE_CACHE. Then, as for a hub VLM id or folder, AutoProcessor and AutoModel
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from finetune.config import Config, ModelConfig, RecipeError
 from finetune.models import DTYPES, cached_folder, freeze
+from finetune.reporting import is_main_process
 
 IMAGE_TOKEN = "<image>"
 ASSEMBLY_VERSION = 1  # part of the cache key: bump when the assembly below changes
@@ -245,7 +245,7 @@ def freeze_unused_vision_parameters(model, dummy) -> None:
         p.grad = None
     for name in unused:
         trainable[name].requires_grad_(False)
-    if unused and os.environ.get("RANK", "0") == "0":
+    if unused and is_main_process():
         print(f"frozen {len(unused)} vision parameters the image features do not use: {', '.join(unused[:4])}"
               f"{', …' if len(unused) > 4 else ''}", flush=True)
 
