@@ -1,8 +1,15 @@
-"""Summed next-token cross-entropy and the label-token count it is normalized by. Pure functions, no state.
+"""Summed token-level cross-entropy and the label-token count it is normalized by. Pure functions, no state.
 
 The trainer divides the *sum* over a whole accumulation window (all data-parallel ranks) by the window's label-token
-count, so every function here uses exactly one mask: position t predicts labels[t + 1], and a target of -100 is
-ignored.
+count, so everything here works on one tensor of **targets aligned with the logits**: position t of `targets` is what
+the logits at position t predict, -100 where nothing is predicted. How labels become targets depends on the loss kind:
+
+- `CAUSAL_LM`: position t predicts labels[t + 1] (`next_token_targets`), or a collator's own `shift_labels`;
+- `TOKEN`: masked LM and token classification, position t predicts labels[t];
+- `SEQ2SEQ`: the decoder's logits against the decoder labels, position t predicts labels[t].
+
+Label smoothing is torch's (`F.cross_entropy(label_smoothing=…)`), which per target equals transformers'
+`LabelSmoother`: (1 − ε)·NLL + ε·mean over the vocabulary of −log p; summed here, so it stays exact under accumulation.
 """
 
 from __future__ import annotations
@@ -12,44 +19,81 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
+CAUSAL_LM, TOKEN, SEQ2SEQ = "causal_lm", "token", "seq2seq"
+LOSS_KINDS = (CAUSAL_LM, TOKEN, SEQ2SEQ)
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[..., T] targets of a causal LM: labels shifted left by one, -100 at the last position."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def targets_of(batch, kind: str) -> torch.Tensor:
+    """The targets of a collated batch for a loss kind (a causal batch's `shift_labels` win over its `labels`)."""
+    if kind == CAUSAL_LM:
+        shifted = batch.get("shift_labels") if hasattr(batch, "get") else None
+        return shifted if isinstance(shifted, torch.Tensor) else next_token_targets(batch["labels"])
+    if kind in (TOKEN, SEQ2SEQ):
+        return batch["labels"]
+    raise ValueError(f"unknown loss kind {kind!r}; expected one of {', '.join(LOSS_KINDS)}")
+
 
 def count_label_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Targets the loss sees after the causal shift: `labels[..., 1:] != -100` (int64 scalar)."""
+    """Targets a causal LM's loss sees: `labels[..., 1:] != -100` (int64 scalar)."""
     return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def predicting_positions(labels: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: positions whose next label is a target; the only logits the loss needs."""
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return keep
+    """[B, T] bool: positions of a causal LM whose next label is a target; the only logits its loss needs."""
+    return next_token_targets(labels) != IGNORE_INDEX
 
 
-def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     # Accumulate in float32 (float64 stays float64) whatever the logits' dtype: bf16/fp16 sums drift.
     accumulate = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return F.cross_entropy(logits.to(accumulate), targets, reduction="sum")
+    return F.cross_entropy(logits.to(accumulate), targets, reduction="sum", label_smoothing=label_smoothing)
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of cross-entropy over every position with a target, their count) from logits [..., T, V] and aligned
+    targets [..., T]. Only the rows of the logits that have a target are upcast."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)} as [..., V]/[...]")
+    mask = targets != IGNORE_INDEX
+    return _summed_cross_entropy(logits[mask], targets[mask], label_smoothing), mask.sum()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token cross-entropy over labelled positions, their count) from full logits.
-
-    logits: [B, T, V] (any float dtype); labels: [B, T] with -100 where there is no target.
-    Only the rows of the logits that have a target are upcast.
-    """
+    """(sum of next-token cross-entropy over labelled positions, their count) from a causal LM's [B, T, V] logits."""
     if logits.dim() != 3 or logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)} as [B, T, V]/[B, T]")
-    targets = labels[:, 1:]
+    return cross_entropy_sum(logits, next_token_targets(labels))
+
+
+def row_cross_entropy_sums(
+    logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a [B, T] batch: (float64 sum of cross-entropy, int64 target count), both [B]. For evaluation, where
+    rows are the unit that ranks gather (and duplicated tail rows of an uneven split are dropped)."""
     mask = targets != IGNORE_INDEX
-    return _summed_cross_entropy(logits[:, :-1][mask], targets[mask]), mask.sum()
+    accumulate = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    per_target = F.cross_entropy(logits[mask].to(accumulate), targets[mask], reduction="none",
+                                 label_smoothing=label_smoothing)
+    rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[mask]
+    sums = torch.zeros(targets.shape[0], dtype=torch.float64, device=per_target.device)
+    return sums.index_add_(0, rows.to(per_target.device), per_target.double()), mask.sum(-1)
 
 
-def kept_token_loss_sum(kept_logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same sum from logits computed only at `predicting_positions(labels)` ([N, V], row-major order)."""
-    targets = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
-    if kept_logits.dim() != 2 or kept_logits.shape[0] != targets.numel():
-        raise ValueError(f"kept logits {tuple(kept_logits.shape)} do not match {targets.numel()} targets")
-    return _summed_cross_entropy(kept_logits, targets), torch.tensor(targets.numel())
+def kept_cross_entropy_sum(
+    kept_logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same sum from logits computed only where `targets != -100` ([N, V], row-major order)."""
+    kept_targets = targets[targets != IGNORE_INDEX]
+    if kept_logits.dim() != 2 or kept_logits.shape[0] != kept_targets.numel():
+        raise ValueError(f"kept logits {tuple(kept_logits.shape)} do not match {kept_targets.numel()} targets")
+    return _summed_cross_entropy(kept_logits, kept_targets, label_smoothing), torch.tensor(kept_targets.numel())
 
 
 def head_chunk_rows(vocab_size: int, budget_elements: int = 1 << 24) -> int:
@@ -60,28 +104,35 @@ def head_chunk_rows(vocab_size: int, budget_elements: int = 1 << 24) -> int:
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ weight.T + bias, target_i), never holding more than one chunk of [rows, vocab] logits.
 
-    The gradients are computed chunk by chunk during the forward (softmax - one_hot is all the backward needs), so
-    neither the logits nor their softmax are kept for the backward: memory O(tokens × hidden + vocab × hidden)
-    instead of O(tokens × vocab). The same idea as fused linear-cross-entropy kernels, in plain torch.
+    The gradients are computed chunk by chunk during the forward (softmax − smoothed one-hot is all the backward
+    needs), so neither the logits nor their softmax are kept for the backward: memory O(tokens × hidden + vocab ×
+    hidden) instead of O(tokens × vocab). The same idea as fused linear-cross-entropy kernels, in plain torch.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int, label_smoothing: float):
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # as _summed_cross_entropy
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=accumulate, device=bias.device)
         loss_sum = torch.zeros((), dtype=accumulate, device=hidden.device)
+        hit = 1.0 - label_smoothing
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = hidden[start : start + chunk_rows]
             logits = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
             logits = logits.to(accumulate)
             target = targets[start : start + chunk_rows]
             log_norm = torch.logsumexp(logits, dim=-1)
-            loss_sum += (log_norm - logits.gather(1, target[:, None]).squeeze(1)).sum()
-            # d(sum CE)/d logits = softmax - one_hot, computed in place over the chunk's logits
+            # per target: logsumexp − (1 − ε)·logit[target] − ε·mean(logits)
+            chunk_loss = log_norm - hit * logits.gather(1, target[:, None]).squeeze(1)
+            if label_smoothing:
+                chunk_loss = chunk_loss - label_smoothing * logits.mean(-1)
+            loss_sum += chunk_loss.sum()
+            # d/d logits = softmax − (1 − ε)·one_hot − ε/V, computed in place over the chunk's logits
             grad_logits = logits.sub_(log_norm[:, None]).exp_()
-            grad_logits[torch.arange(target.shape[0], device=target.device), target] -= 1.0
+            grad_logits[torch.arange(target.shape[0], device=target.device), target] -= hit
+            if label_smoothing:
+                grad_logits -= label_smoothing / logits.shape[-1]
             grad_hidden[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             grad_weight.addmm_(grad_logits.t(), rows.to(accumulate))
             if grad_bias is not None:
@@ -101,18 +152,21 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad_bias.mul_(grad_output.to(grad_bias.dtype)) if grad_bias is not None and ctx.needs_input_grad[2] else None,
             None,
             None,
+            None,
         )
 
 
-def head_token_loss_sum(
-    kept_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+def head_cross_entropy_sum(
+    kept_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed loss from hidden states at `predicting_positions(labels)` ([N, H], row-major) and the LM head's
-    weight [V, H] (and bias), computed in chunks so that [N, V] logits never exist whole."""
-    targets = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX].to(kept_hidden.device)
-    if kept_hidden.dim() != 2 or kept_hidden.shape[0] != targets.numel():
-        raise ValueError(f"kept hidden states {tuple(kept_hidden.shape)} do not match {targets.numel()} targets")
-    if targets.numel() == 0:  # keeps the graph (zero gradients) without an empty matmul
+    """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
+    (and bias), computed in chunks so that [N, V] logits never exist whole."""
+    kept_targets = targets[targets != IGNORE_INDEX].to(kept_hidden.device)
+    if kept_hidden.dim() != 2 or kept_hidden.shape[0] != kept_targets.numel():
+        raise ValueError(f"kept hidden states {tuple(kept_hidden.shape)} do not match {kept_targets.numel()} targets")
+    if kept_targets.numel() == 0:  # keeps the graph (zero gradients) without an empty matmul
         return kept_hidden.sum() * 0.0, torch.tensor(0)
     chunk_rows = head_chunk_rows(weight.shape[0])
-    return _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, targets, chunk_rows), torch.tensor(targets.numel())
+    total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept_targets, chunk_rows, label_smoothing)
+    return total, torch.tensor(kept_targets.numel())

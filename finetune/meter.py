@@ -13,10 +13,14 @@ from collections.abc import Mapping
 
 import torch
 
-from finetune.loss import count_label_tokens
+from finetune.loss import CAUSAL_LM, IGNORE_INDEX, targets_of
 
 # Fields of the per-window count vector, in order.
 COUNTS = ("label_tokens", "real_tokens", "computed_tokens", "sequences")
+
+# Logged figures that depend on the clock or the machine: they reach the console and W&B (every `on_log` callback)
+# but not `trainer_state.json`'s log_history, which a resumed run must reproduce exactly.
+TIMING_KEYS = ("real_tokens_per_s", "computed_tokens_per_s", "samples_per_s", "peak_mem_mb", "mfu")
 
 # Dense peak TFLOP/s per GPU (bf16/fp16 tensor cores, fp32 without TF32), by a substring of the device name.
 PEAK_TFLOPS = {
@@ -27,24 +31,32 @@ PEAK_TFLOPS = {
 }
 
 
-def batch_counts(batch: Mapping) -> list[int]:
-    """[label tokens, real tokens, computed tokens, sequences] of one collated micro-batch."""
-    input_ids = batch["input_ids"]
-    computed = input_ids.numel()
+def batch_counts(batch: Mapping, kind: str = CAUSAL_LM) -> list[int]:
+    """[label tokens, real tokens, computed tokens, sequences] of one collated micro-batch.
+
+    Reads only what is there: token counts from `input_ids` (else the labels' shape), real tokens from a [B, T]
+    `attention_mask`; a batch without labels has no label tokens.
+    """
+    has_labels = isinstance(batch.get("labels"), torch.Tensor) or isinstance(batch.get("shift_labels"), torch.Tensor)
+    label_tokens = int((targets_of(batch, kind) != IGNORE_INDEX).sum()) if has_labels else 0
+    tokens = batch.get("input_ids")
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        tokens = batch.get("labels") if has_labels and batch.get("labels") is not None else None
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        return [label_tokens, 0, 0, 0]
+    computed = tokens.numel()
     mask = batch.get("attention_mask")
-    real = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else computed
+    real = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape else computed
     positions = batch.get("position_ids")
     packed = mask is None and isinstance(positions, torch.Tensor)
-    sequences = int((positions == 0).sum()) if packed else input_ids.shape[0]
-    labels = batch.get("labels")
-    label_tokens = int(count_label_tokens(labels)) if labels is not None else 0
+    sequences = int((positions == 0).sum()) if packed else tokens.shape[0]
     return [label_tokens, real, computed, sequences]
 
 
-def window_counts(batches: list[Mapping]) -> list[int]:
+def window_counts(batches: list[Mapping], kind: str = CAUSAL_LM) -> list[int]:
     totals = [0] * len(COUNTS)
     for batch in batches:
-        totals = [a + b for a, b in zip(totals, batch_counts(batch))]
+        totals = [a + b for a, b in zip(totals, batch_counts(batch, kind))]
     return totals
 
 
@@ -76,7 +88,7 @@ def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_param
     return 6.0 * matmul_params + 12.0 * layers * hidden * sequence_length
 
 
-def peak_flops(precision: str, override_tflops: float | None = None) -> float | None:
+def device_peak_flops(precision: str, override_tflops: float | None = None) -> float | None:
     """The device's dense peak FLOP/s for the precision, from `override_tflops` or the table; None if unknown."""
     if override_tflops:
         return override_tflops * 1e12
@@ -96,6 +108,7 @@ class WindowMeter:
         self.windows = 0
         self.totals = [0] * len(COUNTS)
         self.run_totals = dict.fromkeys(COUNTS, 0)  # since this process started training: the end-of-run table
+        self.peak_mem_mb = 0.0  # the highest logged peak memory of this process
         self.since = time.perf_counter()
 
     def add(self, counts: list[int]) -> None:
@@ -120,5 +133,6 @@ class WindowMeter:
                 "mean_sequence_tokens": real / sequences if sequences else 0.0,
                 "peak_mem_mb": peak_memory_mb(),
             }
+            self.peak_mem_mb = max(self.peak_mem_mb, logs["peak_mem_mb"])
         self.windows, self.totals, self.since = 0, [0] * len(COUNTS), now
         return logs

@@ -11,6 +11,7 @@ import math
 import os
 
 import torch
+from transformers import PrinterCallback
 from transformers.utils import logging
 
 from finetune import checkpoints
@@ -54,8 +55,11 @@ class RecipeTrainer(TokenNormTrainer):
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
         self._window_finite: bool | torch.Tensor = True
+        self._nonfinite_veto = False  # this step's verdict (non-finite loss or gradients): no update
         self.staging = False  # True while a checkpoint is written: the Trainer's output dir is then the staging dir
         super().__init__(*args, **kwargs)
+        # StepProgress (finetune/reporting.py) prints one line per step instead of disable_tqdm's dict printer
+        self.remove_callback(PrinterCallback)
 
     def _get_train_sampler(self, train_dataset=None):
         return checkpoints.epoch_seeded(super()._get_train_sampler(train_dataset), self.args.seed)
@@ -144,7 +148,7 @@ class RecipeTrainer(TokenNormTrainer):
         bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
         if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
             self.control.should_save = self.control.should_training_stop = True
-        self._skip_update, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
+        self._nonfinite_veto, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
         if skipped:
             what = " and ".join(w for w, bad in (("the loss", bad_loss), ("the gradient norm", bad_grads)) if bad)
             what += f" {'are' if bad_loss and bad_grads else 'is'} not finite (grad_norm={norm})"
@@ -157,6 +161,9 @@ class RecipeTrainer(TokenNormTrainer):
             self.nonfinite_skipped += 1
             logger.warning(f"optimizer step {step}: {what}; no update ({self.nonfinite_skipped} skipped so far)")
         return grad_norm
+
+    def updates_weights(self) -> bool:
+        return super().updates_weights() and not self._nonfinite_veto
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:

@@ -1,37 +1,79 @@
-"""`TokenNormTrainer`: a drop-in `transformers.Trainer` whose gradient is the exact token mean of the whole window.
+"""`TokenNormTrainer`: a drop-in `transformers.Trainer` whose gradient and eval loss are exact token means.
 
-Per optimizer step the Trainer already prefetches the accumulation window (`get_batch_samples`), clips once after it
-and steps once. This class changes only what is normalized by what, at the Trainer's documented hooks:
+What it improves over `Trainer`, and nothing else (everything else is `Trainer`'s own code path):
 
-- `get_batch_samples`: counts the window's targets after the causal shift and sums them over data-parallel ranks
-  (`window_label_tokens`); that count is what `training_step` then passes to `compute_loss`;
-- `compute_loss`: sums next-token cross-entropy from the model's logits (its own loss is never used) and divides by
-  `window_label_tokens`, times the data-parallel size to cancel DDP/FSDP/ZeRO gradient averaging. The loss is then
-  already scaled for accumulation (`loss_is_scaled_for_ga = True`), so the Trainer does not divide again, and
-  DeepSpeed's GAS scaling is off (the Trainer passes `scale_wrt_gas=False`);
-- `create_optimizer`: a window with no target makes no update;
-- `log`: adds `window_label_tokens` to each logged step.
+- **Training**: per optimizer step the whole accumulation window's label tokens are counted (with the mask of the
+  model's loss kind, summed over data-parallel ranks only: `window_label_tokens`), the loss is the *sum* of
+  cross-entropy computed here from the model's logits (the model's own loss is never used, so models that ignore
+  `num_items_in_batch`, like many VLMs, are exact too) divided by that count, times the data-parallel size to cancel
+  DDP/FSDP/ZeRO gradient averaging. `loss_is_scaled_for_ga` is then True, so nothing divides again. Label smoothing
+  (`label_smoothing_factor`) is applied inside the sum; a `compute_loss_func` gets the window count as
+  `num_items_in_batch`.
+- **Evaluation**: `evaluate()`/`predict()`'s `eval_loss` is the token mean of the whole eval set (every labelled
+  position's loss summed over all batches and ranks ÷ their count, logged as `eval_label_tokens`), not a mean of
+  per-batch means: it does not move with the eval batch size, the last short batch or the number of ranks.
+- **An empty window** (no labelled token on any rank) makes no update (`updates_weights`), instead of moving the
+  weights by optimizer momentum and decay.
+- **Per-step figures**: `window_label_tokens`, `padding_efficiency`, `mean_sequence_tokens`, `clip_factor` in the log
+  history; tokens/s, samples/s, peak memory and MFU go to every `on_log` callback (console, W&B), not to
+  `trainer_state.json`, whose log history a resumed run reproduces exactly.
+
+Which loss applies is decided from the model, as transformers decides (`model.loss_type` through `LOSS_MAPPING`):
+causal LM (position t predicts labels[t + 1]), token-level without a shift (masked LM, token classification), or
+sequence-to-sequence (decoder logits against decoder labels). Any other model (sequence classification,
+regression, CTC, detection, a plain `nn.Module` without a `loss_type`) is trained and evaluated by `Trainer`'s own
+code, unchanged, with one warning. Set `model.loss_type = "ForCausalLM"` on a plain module to opt in.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification
+from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from finetune.loss import head_token_loss_sum, kept_token_loss_sum, predicting_positions, token_loss_sum
-from finetune.meter import WindowMeter, flops_per_token, matmul_parameters, peak_flops, window_counts
+from finetune.loss import (
+    CAUSAL_LM, IGNORE_INDEX, SEQ2SEQ, TOKEN, cross_entropy_sum, head_cross_entropy_sum, kept_cross_entropy_sum,
+    row_cross_entropy_sums, targets_of,
+)
+from finetune.meter import TIMING_KEYS, WindowMeter, device_peak_flops, flops_per_token, matmul_parameters, window_counts
 
 logger = logging.get_logger(__name__)
 
 
+def loss_type_of(model: torch.nn.Module) -> str | None:
+    """The model's `loss_type`; where transformers found none in the class name (a user's subclass such as
+    `MyLlama(LlamaForCausalLM)`), the first base class whose name holds one, as transformers matches names."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type in LOSS_MAPPING:
+        return loss_type
+    for cls in type(model).__mro__:
+        found = re.findall(f"({'|'.join(LOSS_MAPPING)})", cls.__name__)
+        if found:
+            return found[0]
+    return None
+
+
+def loss_kind(model: torch.nn.Module) -> str | None:
+    """CAUSAL_LM, TOKEN or SEQ2SEQ from the model's loss type (transformers' LOSS_MAPPING); None: not token-level."""
+    model = unwrap_peft_model(model)
+    loss = LOSS_MAPPING.get(loss_type_of(model))
+    if loss is ForCausalLMLoss:  # encoder-decoders feed right-shifted decoder inputs: their labels are unshifted
+        return SEQ2SEQ if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else CAUSAL_LM
+    if loss in (ForMaskedLMLoss, ForTokenClassification):
+        return TOKEN
+    return None
+
+
 def logits_of(outputs: Any) -> torch.Tensor | None:
-    """The [B, T, V] logits in whatever a model returned: a tensor, a ModelOutput/dict, or a tuple."""
+    """The logits in whatever a model returned: a tensor, a ModelOutput/dict, or a tuple."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     if isinstance(outputs, Mapping) and "logits" in outputs:
@@ -39,13 +81,20 @@ def logits_of(outputs: Any) -> torch.Tensor | None:
     if getattr(outputs, "logits", None) is not None:
         return outputs.logits
     if isinstance(outputs, (tuple, list)):
-        return next((o for o in outputs if isinstance(o, torch.Tensor) and o.dim() == 3), None)
+        return next((o for o in outputs if isinstance(o, torch.Tensor) and o.dim() >= 2), None)
     return None
 
 
 def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The model's LM head if the chunked loss can use its weight directly: a plain nn.Linear whose parameters are
-    ordinary tensors (not FSDP2 DTensors or ZeRO-3 partitions, which exist whole only inside the module's forward)."""
+    ordinary tensors (not FSDP2 DTensors or ZeRO-3 partitions, which exist whole only inside the module's forward),
+    in a model that does not visibly rescale or soft-cap its logits after the head."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_scaling", 1.0) != 1.0:
+        return None
+    if hasattr(model, "logit_scale"):
+        return None
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if type(head) is not torch.nn.Linear:
@@ -57,11 +106,8 @@ def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 @contextlib.contextmanager
-def head_passes_hidden_states(head: torch.nn.Module | None):
+def head_passes_hidden_states(head: torch.nn.Module):
     """While active, the LM head returns its input: the model returns hidden states where it would return logits."""
-    if head is None:
-        yield
-        return
     head.forward = lambda hidden_states: hidden_states  # an instance attribute shadows the class's forward
     try:
         yield
@@ -70,20 +116,29 @@ def head_passes_hidden_states(head: torch.nn.Module | None):
 
 
 class TokenNormTrainer(Trainer):
-    """`transformers.Trainer` with exact token-mean gradients under accumulation and data parallelism."""
+    """`transformers.Trainer` with exact token-mean gradients and eval loss (see the module docstring).
 
-    # compute_loss divides by the whole window's label tokens: the Trainer must not divide by accumulation again.
-    loss_is_scaled_for_ga = True
-    _skip_update = False  # set by a subclass to make the next optimizer step no update
+    Same constructor as `Trainer`, plus `peak_flops` (the device's peak FLOP/s for MFU; default: a table of GPUs).
+    """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, peak_flops: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise NotImplementedError(
                 "TokenNormTrainer computes the loss from full-sequence logits; context/sequence parallelism shards "
                 "the sequence. Use data parallelism (DDP, FSDP, ZeRO) or tensor parallelism."
             )
-        forward = inspect.signature(self.accelerator.unwrap_model(self.model).forward).parameters
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.loss_kind = loss_kind(unwrapped)
+        if self.loss_kind is None:
+            logger.warning(
+                f"TokenNormTrainer: {type(unwrap_peft_model(unwrapped)).__name__} has loss type "
+                f"{loss_type_of(unwrap_peft_model(unwrapped))!r}, not a token-level loss (causal LM, "
+                "masked LM / token classification, sequence-to-sequence); it is trained and evaluated by "
+                "transformers.Trainer's own loss, unchanged. Set model.loss_type = 'ForCausalLM' (or 'ForMaskedLM') "
+                "if its logits are those of a language model."
+            )
+        forward = inspect.signature(unwrapped.forward).parameters
         labels_param = forward.get("labels")
         # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
         self._forward_needs_labels = labels_param is not None and labels_param.default is inspect.Parameter.empty
@@ -94,18 +149,21 @@ class TokenNormTrainer(Trainer):
         # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
         self._keeps_logits = "logits_to_keep" in forward
         # With kept positions, the LM head and cross-entropy run chunk by chunk on hidden states ([N, vocab] logits
-        # never exist whole) once a first forward has shown that the model returns the head's output unchanged
-        # (no soft-capping or scaling after it). None: not probed yet; False: use the model's logits.
+        # never exist whole) once the first training forward has shown that the model returns the head's output
+        # unchanged. None: not known yet; False: use the model's logits.
         self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
-        self._falls_back = False  # the model returned no [B, T, V] logits: behave exactly as Trainer
-        self._trainer_num_items = None  # Trainer's own count, used only when falling back
         self._window_label_tokens: int | None = None
+        self._eval_sums: torch.Tensor | None = None  # [loss sum, label tokens] while an evaluation loop runs
+        self._gated_optimizer = None
         self._meter = WindowMeter()
-        # MFU is logged where the device's peak is known (a table of GPUs); set trainer.peak_flops to override.
-        self.peak_flops = peak_flops("bf16" if self.args.bf16 or self.args.fp16 else "fp32")
+        # MFU is logged where the device's peak is known (a table of GPUs) or given.
+        self.peak_flops = peak_flops or device_peak_flops("bf16" if self.args.bf16 or self.args.fp16 else "fp32")
         self._matmul_params: int | None = None
 
-    # ---- window: count targets over all data-parallel ranks ----
+    @property
+    def loss_is_scaled_for_ga(self) -> bool | None:
+        # compute_loss divides by the whole window's label tokens: the Trainer must not divide by accumulation again.
+        return True if self.loss_kind is not None else None
 
     def _data_parallel_size(self) -> int:
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
@@ -115,126 +173,195 @@ class TokenNormTrainer(Trainer):
         dataloader = super().get_train_dataloader()
         # A prefetched window holds K micro-batches: keep them on the host (pinned on a GPU machine) until their turn;
         # training_step moves each one to the device as it runs.
-        if getattr(dataloader, "device", None) is not None:
+        if self.loss_kind is not None and getattr(dataloader, "device", None) is not None:
             dataloader.device = None
         return dataloader
 
+    # ---- window: count targets over all data-parallel ranks ----
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batch_samples, self._trainer_num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self._falls_back or not batch_samples or "labels" not in batch_samples[0]:
+        if self.loss_kind is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batch_samples or not all(isinstance(b, Mapping) and "labels" in b for b in batch_samples):
             self._window_label_tokens = None
-            return batch_samples, self._trainer_num_items
+            return batch_samples, self._get_num_items_in_batch(batch_samples, device)
         # One all-reduce per window for every count (label tokens first); tensor-parallel ranks hold replicas.
-        counts = torch.tensor(window_counts(batch_samples), dtype=torch.int64, device=device)
+        counts = torch.tensor(window_counts(batch_samples, self.loss_kind), dtype=torch.int64, device=device)
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.reduce(counts, reduction="sum") // self.get_tp_size()
         self._meter.add(counts.tolist())
-        window_label_tokens = counts[0]
-        self._window_label_tokens = int(window_label_tokens)
+        self._window_label_tokens = int(counts[0])
         if self._window_label_tokens == 0:
             logger.warning(
                 f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on any "
                 "rank; the weights are not updated for this step"
             )
-        return batch_samples, window_label_tokens
+        return batch_samples, counts[0]
 
     # ---- loss: sum from the logits, divided by the window's count ----
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._falls_back or "labels" not in inputs:
+        if self.loss_kind is None or not isinstance(inputs, Mapping) or "labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        labels = inputs["labels"]
-        forward_inputs = inputs if self._forward_needs_labels else {k: v for k, v in inputs.items() if k != "labels"}
-        keep = {"logits_to_keep": predicting_positions(labels)} if self._keeps_logits else {}
-        chunked = bool(keep) and torch.is_grad_enabled() and not return_outputs
-        outputs, hidden = self._forward(model, {**forward_inputs, **self._no_cache, **keep}, chunked)
+        targets = targets_of(inputs, self.loss_kind)
+        evaluating = self._eval_sums is not None
+        if self.compute_loss_func is not None:
+            outputs, _ = self._forward(model, inputs, targets, keep_logits=False)
+            count = (targets != IGNORE_INDEX).sum()
+            per_batch = evaluating or num_items_in_batch is None
+            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=count if per_batch else num_items_in_batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ValueError(f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
+                                 f"÷ num_items_in_batch); it returned {shape}")
+            loss = loss.reshape(())
+            if evaluating:
+                self._add_eval(self.accelerator.gather(torch.stack([loss.double() * count, count.double()])[None]))
+            elif not per_batch:
+                loss = loss * self._data_parallel_size()
+            return (loss, outputs) if return_outputs else loss
+
+        smoothing = self.args.label_smoothing_factor
+        outputs, hidden = self._forward(model, inputs, targets, keep_logits=self._keeps_logits and not return_outputs)
         logits = logits_of(outputs)
         if hidden is not None:
             head = self._chunked_head
-            loss_sum, label_tokens = head_token_loss_sum(hidden, head.weight, head.bias, labels)
-        elif keep and logits is not None and logits.dim() == 2:
-            loss_sum, label_tokens = kept_token_loss_sum(logits, labels)
-        elif logits is not None and logits.dim() == 3 and logits.shape[:2] == labels.shape:
-            loss_sum, label_tokens = token_loss_sum(logits, labels)
+            loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing)
+        elif logits is not None and logits.dim() == 2 and not return_outputs and self._keeps_logits:
+            loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
+        elif logits is not None and logits.shape[:-1] == targets.shape:
+            if evaluating:
+                row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
+                self._add_eval(self.gather_function(torch.stack([row_sums, row_counts.double()], dim=1)))
+                loss_sum, count = row_sums.sum(), row_counts.sum()
+            else:
+                loss_sum, count = cross_entropy_sum(logits, targets, smoothing)
         else:
-            return self._fall_back(model, inputs, return_outputs, logits)
-        if num_items_in_batch is None:  # outside the training loop (evaluation): this batch's own token mean
-            loss = loss_sum / label_tokens.clamp(min=1)
+            shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
+            raise ValueError(
+                f"TokenNormTrainer: {type(self.accelerator.unwrap_model(model)).__name__} (loss kind {self.loss_kind}) "
+                f"returned {shape} where logits of shape {tuple(targets.shape)} + (classes,) were expected; train it "
+                "with transformers.Trainer, or return the logits"
+            )
+        if evaluating or num_items_in_batch is None:  # this batch's own token mean (evaluation, or a direct call)
+            loss = loss_sum / count.clamp(min=1)
         else:
             # clamp: an empty window has loss_sum 0 and makes zero gradients, never 0/0.
             window_label_tokens = torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
             loss = loss_sum / window_label_tokens * self._data_parallel_size()
         return (loss, outputs) if return_outputs else loss
 
-    def _forward(self, model, inputs: dict, chunked: bool):
-        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None)."""
-        if chunked and self._chunked_head is None and inputs["logits_to_keep"].any():
-            self._chunked_head = self._probe_head(model, inputs) or False
-        if not chunked or not self._chunked_head:
-            return model(**inputs), None
+    def _forward_inputs(self, model, inputs: Mapping) -> dict:
+        """The model's inputs: labels only where the forward requires them; a seq2seq model gets its decoder inputs
+        from the labels as it would make them itself."""
+        forward = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        if self._forward_needs_labels:
+            forward["labels"] = inputs["labels"]
+        elif self.loss_kind == SEQ2SEQ and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            prepare = getattr(unwrap_peft_model(self.accelerator.unwrap_model(model)),
+                              "prepare_decoder_input_ids_from_labels", None)
+            if prepare is not None:
+                forward["decoder_input_ids"] = prepare(labels=inputs["labels"])
+            else:
+                forward["labels"] = inputs["labels"]
+        return {**forward, **self._no_cache}
+
+    def _forward(self, model, inputs: Mapping, targets: torch.Tensor, keep_logits: bool):
+        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None).
+        One forward per micro-batch."""
+        forward = self._forward_inputs(model, inputs)
+        if not keep_logits:
+            return model(**forward), None
+        forward["logits_to_keep"] = keep = targets != IGNORE_INDEX
+        if not torch.is_grad_enabled() or self._chunked_head is False:
+            return model(**forward), None
+        if self._chunked_head is None:
+            return self._forward_finding_head(model, forward) if keep.any() else (model(**forward), None)
         with head_passes_hidden_states(self._chunked_head):
-            outputs = model(**inputs)
+            outputs = model(**forward)
         return outputs, logits_of(outputs)
 
-    def _probe_head(self, model, inputs: dict) -> torch.nn.Linear | None:
-        """The LM head if the model returns its output unchanged (no soft-capping or scaling after it), else None.
-
-        Once per run: a forward without gradients on the unwrapped model whose head is fed one row, so no
-        [tokens × vocab] logits are made; random state untouched, so a resumed run's steps equal the uninterrupted run's.
-        """
+    def _forward_finding_head(self, model, forward: dict):
+        """The first training forward feeds the LM head one row of the kept hidden states (so no [tokens × vocab]
+        logits are made) and keeps all of them for the chunked loss, if the model returns the head's output
+        unchanged. A model that changes it after the head makes this micro-batch's forward run again, once."""
         # The chunked loss uses the head's weight outside the model's forward: FSDP has resharded it by then, and DDP
         # searching for unused parameters would count it unused and then see its gradient arrive (ready twice).
-        if self.is_fsdp_enabled or getattr(model, "find_unused_parameters", False):
-            return None
-        unwrapped = self.accelerator.unwrap_model(model)
-        head = plain_head(unwrapped)
+        head = None
+        if not self.is_fsdp_enabled and not getattr(model, "find_unused_parameters", False):
+            head = plain_head(unwrap_peft_model(self.accelerator.unwrap_model(model)))
         if head is None:
-            return None
-        seen = []
-        one_row = head.register_forward_pre_hook(lambda module, args: (args[0].narrow(-2, 0, 1), *args[1:]))
-        record = head.register_forward_hook(lambda module, args, output: seen.append(output))
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            self._chunked_head = False
+            return model(**forward), None
+        kept, seen = [], []
+        one_row = head.register_forward_pre_hook(lambda m, args: (kept.append(args[0]), (args[0].narrow(-2, 0, 1), *args[1:]))[1])
+        record = head.register_forward_hook(lambda m, args, output: seen.append(output))
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                outputs = unwrapped(**inputs)
+            outputs = model(**forward)
         finally:
             one_row.remove()
             record.remove()
-        return head if len(seen) == 1 and logits_of(outputs) is seen[0] else None
+        if len(seen) == 1 and logits_of(outputs) is seen[0]:
+            self._chunked_head = head
+            return outputs, kept[0]
+        self._chunked_head = False
+        logger.warning(f"TokenNormTrainer: {type(model).__name__} changes its logits after the LM head; its own logits "
+                       "are used (this first micro-batch ran its forward twice)")
+        return model(**forward), None
 
-    def _fall_back(self, model, inputs, return_outputs, logits):
-        shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
-        logger.warning(
-            f"TokenNormTrainer: the model returned {shape} where [batch, tokens, vocab] logits matching the labels "
-            "were expected; falling back to transformers.Trainer's loss (exact only if the model sums its loss over "
-            "num_items_in_batch)."
-        )
-        self._falls_back = True
-        self.loss_is_scaled_for_ga = None  # let Trainer decide as it would for this model
-        return super().compute_loss(model, inputs, return_outputs, self._trainer_num_items)
+    # ---- evaluation: the token mean of the whole set ----
 
-    # ---- an empty window makes no update ----
+    def _add_eval(self, gathered: torch.Tensor) -> None:
+        self._eval_sums += gathered.to(self._eval_sums.device, torch.float64).sum(0)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        if self.loss_kind is None:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            loss_sum, label_tokens = self._eval_sums.tolist()
+        finally:
+            self._eval_sums = None
+        if label_tokens > 0:  # every rank gathered every row: the same figures everywhere
+            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / label_tokens
+            output.metrics[f"{metric_key_prefix}_label_tokens"] = int(label_tokens)
+        return output
+
+    # ---- the optimizer step consults updates_weights() ----
+
+    def updates_weights(self) -> bool:
+        """Whether this optimizer step may change the weights: not for a window without any labelled token (its zero
+        gradient would still move AdamW's moments and decay the weights). Subclasses add their reasons (and super)."""
+        return self._window_label_tokens != 0
+
+    def _gate_step(self, optimizer, args, kwargs):
+        # torch's step pre-hook: parameters without a gradient are left alone by every torch optimizer
+        if not self.updates_weights():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if not getattr(optimizer, "_skips_empty_windows", False):
-            step = optimizer.step
-
-            def step_unless_window_empty(*args, **kwargs):
-                # Gradients of an empty window are zeros, but AdamW/momentum would still move the weights.
-                # _skip_update: a subclass's veto for this step (RecipeTrainer: non-finite loss or gradients).
-                if self._window_label_tokens == 0 or self._skip_update:
-                    return None
-                return step(*args, **kwargs)
-
-            optimizer.step = step_unless_window_empty
-            optimizer._skips_empty_windows = True
+        if optimizer is not None and optimizer is not self._gated_optimizer:
+            optimizer.register_step_pre_hook(self._gate_step)
+            self._gated_optimizer = optimizer
         return optimizer
 
     # ---- logging ----
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and "grad_norm" in logs:  # an optimizer-step line, not the end-of-training summary
+        timing = ()
+        if self.loss_kind is not None and "loss" in logs and "grad_norm" in logs:  # an optimizer-step line
             logs.update(self._meter.drain())
             if self.peak_flops and logs.get("real_tokens_per_s"):
                 # model FLOPs of the real tokens only: padding and skipped prompt logits count as waste
@@ -246,4 +373,7 @@ class TokenNormTrainer(Trainer):
                 logs["mfu"] = logs["real_tokens_per_s"] * per_token / job_peak
             if self.args.max_grad_norm > 0 and logs["grad_norm"] is not None:
                 logs["clip_factor"] = min(1.0, self.args.max_grad_norm / (logs["grad_norm"] + 1e-6))
+            timing = [key for key in TIMING_KEYS if key in logs]
         super().log(logs, start_time)
+        for key in timing:  # callbacks saw them; the saved history keeps what a resumed run reproduces
+            self.state.log_history[-1].pop(key, None)

@@ -8,7 +8,7 @@ from transformers import LlamaForCausalLM
 
 from finetune import TokenNormTrainer
 from finetune import loss as loss_module
-from finetune.loss import count_label_tokens, head_token_loss_sum, predicting_positions
+from finetune.loss import count_label_tokens, head_cross_entropy_sum, next_token_targets, predicting_positions
 from tests.reference import relative_error
 from tests.test_trainer import step_errors, train_recording
 from tests.toy import ragged_rows, tiny_llama
@@ -43,7 +43,7 @@ def test_chunked_head_loss_and_gradients_equal_the_brute_force(with_bias, monkey
     expected_grads = torch.autograd.grad(expected * 1.7, params)
 
     kept = hidden[predicting_positions(labels)]
-    total, count = head_token_loss_sum(kept, weight, bias, labels)
+    total, count = head_cross_entropy_sum(kept, weight, bias, next_token_targets(labels))
     assert int(count) == int(count_label_tokens(labels)) == 17
     grads = torch.autograd.grad(total * 1.7, params)  # an upstream scale reaches every gradient
     assert float(total.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
@@ -55,7 +55,8 @@ def test_chunked_head_in_float32_is_within_1e5_of_float64():
     torch.manual_seed(1)
     hidden, weight = torch.randn(2, 40, 24), torch.randn(500, 24) * 0.2
     labels = torch.randint(0, 500, (2, 40))
-    total, _ = head_token_loss_sum(hidden[predicting_positions(labels)].requires_grad_(), weight, None, labels)
+    total, _ = head_cross_entropy_sum(hidden[predicting_positions(labels)].requires_grad_(), weight, None,
+                                      next_token_targets(labels))
     expected = brute_force_sum(hidden.double(), weight.double(), None, labels)
     assert abs(float(total) - float(expected)) / float(expected) <= 1e-5
 
@@ -111,4 +112,4 @@ def test_no_step_makes_logits_for_every_kept_position(tmp_path):
     train_recording(TokenNormTrainer, model, ragged_rows(8, seed=2), tmp_path, 2, 2)
     logits_shapes = [s for s in shapes if s[-1] == vocab]
     assert logits_shapes == [(1, vocab)], logits_shapes
-    assert len(shapes) == 1 + 4  # the probe, then 4 micro-batches of hidden states
+    assert len(shapes) == 4  # one forward per micro-batch: the first feeds the head one row, then hidden states

@@ -45,6 +45,10 @@ def tiny_qwen_vl(seed: int = 0):
 class MeanLossLM(nn.Module):
     """A research-style module: returns a per-batch *mean* loss when given labels, and logits."""
 
+    # transformers' convention for "my logits are a causal LM's": TokenNormTrainer normalizes it (without it, a
+    # plain module is trained by Trainer's own loss)
+    loss_type = "ForCausalLM"
+
     def __init__(self, vocab: int = VOCAB, width: int = 24, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
