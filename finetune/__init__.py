@@ -1,6 +1,6 @@
 """finetune: exact, fast large-batch fine-tuning of Hugging Face Transformers models."""
 
-from finetune.config import Config, RecipeError, load_config
+from finetune.recipe import Config, RecipeError, load_config
 
 # Lazy: `finetune/train.py` checks a recipe before torch and transformers are imported, so a typo fails at once.
 _LAZY = {

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from finetune.config import Config, DataConfig, is_budgeted
+from finetune.recipe import Config, DataConfig, is_budgeted
 
 # Rows are sorted by length in windows of about this many budgeted micro-batches before grouping: rows of a micro-batch
 # have similar lengths (little padding), and micro-batches still come from a random order of rows.

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-from finetune.config import RecipeError, TrainConfig
+from finetune.recipe import RecipeError, TrainConfig
 
 STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
 STATE_FILE = "finetune_state.json"

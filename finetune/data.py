@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError
 from finetune.sources import BadRow, DataReport, Record, read_records, reject_row
 
 IGNORE = -100

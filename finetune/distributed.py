@@ -18,7 +18,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from finetune.config import Config, RecipeError, accumulation_steps, is_budgeted
+from finetune.env import world_size
+from finetune.recipe import Config, RecipeError, accumulation_steps, is_budgeted
 
 # accelerate's names for the precisions a recipe can ask for (train.precision)
 RECIPE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -26,10 +27,6 @@ RECIPE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 def _true(value: str | None) -> bool:
     return str(value).lower() in ("1", "true", "yes", "on")
-
-
-def launched_ranks(env: Mapping[str, str]) -> int:
-    return int(env.get("WORLD_SIZE", "1"))
 
 
 def uses_deepspeed(env: Mapping[str, str] = os.environ) -> bool:
@@ -100,7 +97,7 @@ def _read_deepspeed_file(path: str) -> dict:
 
 
 def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
-    ranks = launched_ranks(env)
+    ranks = world_size(env)
     recipe = _recipe_batch(cfg, ranks)
     # Values from the accelerate config's deepspeed_config fields (or --gradient_accumulation_steps/--gradient_clipping)
     sources: list[tuple[str, dict]] = [
@@ -152,7 +149,7 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
 def check_launch(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
     """One RecipeError listing every way the launcher's settings contradict the recipe; nothing when they agree."""
     if _batch_is_planned(cfg):
-        accumulation_steps(cfg, launched_ranks(env))  # a rank count that does not divide the global batch: the numbers
+        accumulation_steps(cfg, world_size(env))  # a rank count that does not divide the global batch: the numbers
     problems = []
     precision = _precision_problem(cfg, env)
     if precision:

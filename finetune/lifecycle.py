@@ -19,8 +19,8 @@ from typing import NoReturn
 import torch
 
 from finetune.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
-from finetune.config import RecipeError, TrainConfig, data_parallel_ranks
-from finetune.reporting import is_main_process
+from finetune.env import is_main_process, launch_kind, world_size
+from finetune.recipe import RecipeError, TrainConfig
 
 # ---- before training ----
 
@@ -127,7 +127,7 @@ def exit_process(code: int) -> NoReturn:
     (W&B, logging) with the collector off, and the process ends without tearing objects down; everything the run
     wrote is closed by then.
     """
-    if data_parallel_ranks() <= 1:
+    if world_size() <= 1:
         sys.exit(code)
     gc.disable()
     atexit._run_exitfuncs()
@@ -193,6 +193,7 @@ def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:
 def resume_command(argv: list[str]) -> str:
     """The command that was run, with train.resume_from=auto: it continues from the newest checkpoint."""
     args = [a for a in argv if not a.startswith("train.resume_from=")] + ["train.resume_from=auto"]
-    if data_parallel_ranks() > 1:  # the launcher's own options are not visible to a rank
-        return "accelerate launch [the same launch options] " + shlex.join([sys.argv[0], *args])
+    if world_size() > 1:  # the launcher's own options are not visible to a rank
+        launcher = "torchrun" if launch_kind() == "torchrun" else "accelerate launch"
+        return f"{launcher} [the same launch options] " + shlex.join([sys.argv[0], *args])
     return shlex.join([sys.executable, sys.argv[0], *args])

@@ -17,7 +17,8 @@ import os
 import sys
 import tempfile
 
-from finetune.config import Config, is_budgeted
+from finetune import env
+from finetune.recipe import Config, is_budgeted
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
@@ -37,7 +38,7 @@ def available_bytes(device) -> tuple[float, str]:
 
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory), torch.cuda.get_device_name(device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = env.local_world_size()
     held = psutil.Process().memory_info().rss
     room = (held + psutil.virtual_memory().available) / local
     return room, "this process + available RAM" + (f", shared by {local} local ranks" if local > 1 else "")

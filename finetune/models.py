@@ -13,13 +13,10 @@ import torch
 from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune.config import ModelConfig, RecipeError
+from finetune.env import cache_dir
+from finetune.recipe import ModelConfig, RecipeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
 def resolve_source(name_or_path: str) -> str:

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from finetune.config import OptimConfig, RecipeError
+from finetune.recipe import OptimConfig, RecipeError
 from finetune.models import matches_prefix
 
 NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")

@@ -24,11 +24,11 @@ this planner when training starts.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 
-from finetune.config import Config, RecipeError, is_budgeted, load_config
+from finetune import env
+from finetune.recipe import Config, RecipeError, is_budgeted, load_config
 from finetune.memory_trials import Trials, available_bytes, fit_line
 
 HEADROOM = 0.10
@@ -197,12 +197,11 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
     import torch
 
     from finetune import distributed, reporting
-    from finetune.config import data_parallel_ranks
 
     if distributed.uses_deepspeed() or distributed.uses_fsdp():
         raise RecipeError("train.micro_batch_size=auto plans memory with whole models (one process or DDP); under "
                           "DeepSpeed or FSDP set train.micro_batch_size to a number")
-    ranks = data_parallel_ranks()
+    ranks = env.world_size()
     result = plan(cfg, ranks)
     choice = result.value
     if torch.distributed.is_available() and torch.distributed.is_initialized() and ranks > 1:
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, options = split_args(argv)
         cfg = load_config(rest)
-        ranks = options["ranks"] or int(os.environ.get("WORLD_SIZE", "1"))
+        ranks = options["ranks"] or env.world_size()
         result = plan(cfg, ranks, options["headroom"], options["memory_gib"])
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

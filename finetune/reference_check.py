@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 
-from finetune.config import RecipeError
+from finetune.recipe import RecipeError
 
 IGNORE_INDEX = -100
 
@@ -76,7 +76,7 @@ def make_capture(trainer, recorder: WindowRecorder, steps: int):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    from finetune.reporting import is_main_process
+    from finetune.env import is_main_process
 
     # The norm the trainer clipped with: the reference is clipped by the same factor, so the check is of the gradient,
     # not of torch's float32 norm (off by ~1e-4 relative on CPU for millions of elements; reported beside).

@@ -13,11 +13,8 @@ from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
-from finetune.config import Config
-
-
-def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+from finetune.env import is_main_process
+from finetune.recipe import Config
 
 
 def main_print(line: str) -> None:

@@ -2,7 +2,7 @@
 
 `total_steps` is always the number of optimizer steps of the run (never micro-batches); the Trainer steps the
 scheduler once per optimizer step on every rank, and it is never passed through `accelerator.prepare` (which would
-step it once per process). Checks that need no run length live in `finetune.config.check_config`.
+step it once per process). Checks that need no run length live in `finetune.recipe.checks.check_config`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from finetune.config import Config, RecipeError, ScheduleConfig
+from finetune.recipe import Config, RecipeError, ScheduleConfig
 
 
 def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -> float:

@@ -21,6 +21,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from finetune.env import cache_dir
+
 BUILD_VERSION = 1  # bump when the selection rules change: the cache file name carries it
 MIN_DOC_CHARS = 16  # drops AST node stubs such as "Add"
 PER_MODULE_CAP = 120  # keeps posix, ast and builtins from dominating (sorted names, first N)
@@ -30,10 +32,6 @@ SKIP = {
     "readline", "rlcompleter",  # importing them changes the terminal / interpreter state
     "distutils",  # replaced by setuptools' copy when setuptools is installed: not the stdlib's docs
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
 def cache_path() -> Path:

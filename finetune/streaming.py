@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.config import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError
 from finetune.data import blank_tokens, detect_format, fit_row, row_labels, row_strings
 from finetune.sources import (
     FILE_KINDS, BadRow, DataReport, Record, json_line_records, local_files, reject_row,

@@ -9,10 +9,10 @@ before training, so `finetune.verify` and `finetune.plan` run exactly what train
 
 from __future__ import annotations
 
-import os
 import sys
 
-from finetune.config import Config, RecipeError, accumulation_steps, data_parallel_ranks, load_config, to_yaml
+from finetune import env
+from finetune.recipe import Config, RecipeError, accumulation_steps, load_config, to_yaml
 
 
 def main(argv: list[str]) -> int:
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(argv)
         return train(cfg, argv=argv)
     except RecipeError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if env.is_main_process():
             print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
 
@@ -46,7 +46,7 @@ def build(cfg: Config, callbacks: tuple = ()):
     if cfg.train.precision == "fp16" and not reporting.has_accelerator():
         # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead
         raise RecipeError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32")
-    ranks = data_parallel_ranks()
+    ranks = env.world_size()
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
 

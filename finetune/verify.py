@@ -35,8 +35,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from finetune.config import Config, RecipeError, data_parallel_ranks, is_budgeted, load_config
-from finetune.reporting import is_main_process
+from finetune.env import is_main_process, world_size
+from finetune.recipe import Config, RecipeError, is_budgeted, load_config
 from finetune.reference_check import (
     WindowRecorder, compare, make_capture, micro_batch_weights, reference_gradient, reference_placement,
     silence_dropout,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not checks:
         print("error: the run made no optimizer step; is the data empty?", file=sys.stderr)
         return 2
-    text, passed = report(checks, tolerance, precision, data_parallel_ranks())
+    text, passed = report(checks, tolerance, precision, world_size())
     print(text, flush=True)
     return 0 if passed else 1
 

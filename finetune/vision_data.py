@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError
 from finetune.data import IGNORE, detect_format, render_chat, row_labels
 from finetune.sources import BadRow, DataReport, read_records, reject_row
 

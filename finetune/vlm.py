@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from finetune.config import Config, ModelConfig, RecipeError
+from finetune.recipe import Config, ModelConfig, RecipeError
 from finetune.models import DTYPES, cached_folder, freeze
-from finetune.reporting import is_main_process
+from finetune.env import is_main_process
 
 IMAGE_TOKEN = "<image>"
 ASSEMBLY_VERSION = 1  # part of the cache key: bump when the assembly below changes

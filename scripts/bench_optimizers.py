@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from finetune.config import OptimConfig
+from finetune.recipe import OptimConfig
 from finetune.optim import build_optimizer
 
 NAMES = ("adamw", "lamb", "lars")

@@ -63,7 +63,7 @@ def main() -> int:
     from transformers.masking_utils import create_causal_mask
 
     from finetune import packed_attention
-    from finetune.config import load_config
+    from finetune.recipe import load_config
     from finetune.data import load_sft_dataset
     from finetune.models import load_model, load_tokenizer, model_folder
 

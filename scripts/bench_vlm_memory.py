@@ -37,7 +37,7 @@ def measure(overrides: list[str]) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from finetune.config import load_config
+    from finetune.recipe import load_config
     from finetune.train import build
 
     cfg = load_config(overrides)

@@ -186,7 +186,7 @@ class Bench:
 
     def config(self, overrides: list[str]):
         """recipes/bench.yaml with the data options, `overrides` and the model of --model."""
-        from finetune.config import load_config
+        from finetune.recipe import load_config
 
         a = self.args
         keys = [f"train.micro_batch_size={a.micro_batch}", f"train.global_batch_size={a.micro_batch * a.accumulation}"]

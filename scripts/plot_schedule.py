@@ -53,14 +53,15 @@ def plot(lrs: list[float], title: str, out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from finetune.config import RecipeError, accumulation_steps, load_config
+    from finetune import env
+    from finetune.recipe import RecipeError, accumulation_steps, load_config
     from finetune.schedules import format_lr, lr_per_step, peak_lr, startup_line
 
     options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in SCRIPT_KEYS}
     recipe_args = [a for a in argv if a.split("=", 1)[0] not in SCRIPT_KEYS]
     out = options.get("out", "lr_schedule.png")
     try:
-        ranks_text = options.get("ranks", os.environ.get("WORLD_SIZE", "1"))
+        ranks_text = options.get("ranks", str(env.world_size()))
         if not ranks_text.isdigit() or int(ranks_text) < 1:
             raise RecipeError(f"ranks={ranks_text} must be a positive whole number of data-parallel ranks")
         ranks = int(ranks_text)

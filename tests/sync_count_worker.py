@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from transformers import TrainerCallback
 
-from finetune.config import load_config
+from finetune.recipe import load_config
 from finetune.lifecycle import exit_process
 from finetune.train import build
 

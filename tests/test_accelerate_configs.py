@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.config import RecipeError, load_config
+from finetune.recipe import RecipeError, load_config
 from finetune.distributed import accelerator_config, check_launch
 
 ROOT = Path(__file__).resolve().parents[1]

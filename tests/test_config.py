@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import RecipeError, accumulation_steps, load_config
+from finetune.recipe import RecipeError, accumulation_steps, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")

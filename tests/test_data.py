@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune import stdlib_docs
-from finetune.config import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError
 from finetune.data import load_sft_dataset
 from finetune.sources import DataReport
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from finetune.config import OptimConfig
+from finetune.recipe import OptimConfig
 from finetune.optim import LAMB, LARS, build_optimizer
 
 BETAS, EPS, DECAY, TRUST = (0.9, 0.99), 1e-6, 0.01, 0.02
@@ -182,7 +182,7 @@ FSDP2_WORKER = '''
 import json, sys, torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from finetune.config import OptimConfig
+from finetune.recipe import OptimConfig
 from finetune.optim import build_optimizer
 from finetune.lifecycle import exit_process
 

@@ -12,7 +12,7 @@ import yaml
 
 from finetune import memory_trials
 from finetune import plan as planner
-from finetune.config import RecipeError, load_config
+from finetune.recipe import RecipeError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = "recipe=recipes/debug.yaml"

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune import checkpoints
-from finetune.config import RecipeError, TrainConfig, load_config
+from finetune.recipe import RecipeError, TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=4", "log.wandb_mode=disabled"]
@@ -241,7 +241,7 @@ def test_the_package_loads_no_pickle_and_trusts_no_remote_code_unless_the_recipe
     the recipe (default False), never a literal True."""
     import ast
 
-    from finetune.config import ModelConfig
+    from finetune.recipe import ModelConfig
 
     assert ModelConfig().trust_remote_code is False
     problems = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.config import RecipeError, ScheduleConfig, load_config
+from finetune.recipe import RecipeError, ScheduleConfig, load_config
 from finetune.schedules import (build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, peak_lr,
                                 scaled_lr, startup_line)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.config import DataConfig, RecipeError, load_config
+from finetune.recipe import DataConfig, RecipeError, load_config
 from finetune.data import load_sft_dataset
 from finetune.streaming import SHUFFLE_BUFFER, stream_sft_dataset
 from tests.test_data import chat, smollm2_folder, write_jsonl

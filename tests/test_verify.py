@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune import verify
-from finetune.config import RecipeError, load_config
+from finetune.recipe import RecipeError, load_config
 from finetune.reference_check import group_of
 
 ROOT = Path(__file__).resolve().parents[1]

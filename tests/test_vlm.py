@@ -15,7 +15,7 @@ from transformers import (AutoTokenizer, DataCollatorForSeq2Seq, LlamaConfig, Ll
                           LlavaForConditionalGeneration, SiglipVisionConfig, Trainer)
 
 from finetune import TokenNormTrainer, shapes_captions
-from finetune.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
+from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
 from finetune.vision_data import VisionCollator, load_vision_dataset, open_image
 from finetune.vlm import IMAGE_TOKEN, image_tokenizer, is_vlm, llava_processor, prepare_vlm
 from tests.reference import reference_gradient, relative_error

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
-import os
 from typing import Any
 
-from finetune.schema import CHOICES, Config, DataConfig, RecipeError
+from finetune import env
+from finetune.recipe.schema import CHOICES, Config, DataConfig, RecipeError, choice_error
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -14,11 +13,6 @@ def _get(config: Config, dotted: str) -> Any:
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
-
-
-def data_parallel_ranks() -> int:
-    """Ranks the launcher started (accelerate launch and torchrun set WORLD_SIZE); known before any process group."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_budgeted(data: DataConfig) -> bool:
@@ -99,11 +93,8 @@ def check_optim_and_schedule(config: Config) -> None:
 
 def check_config(config: Config) -> None:
     for key, allowed in CHOICES.items():
-        value = _get(config, key)
-        if value not in allowed:
-            guess = difflib.get_close_matches(str(value), allowed, n=1)
-            hint = f"; did you mean '{guess[0]}'?" if guess else ""
-            raise RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+        if _get(config, key) not in allowed:
+            raise choice_error(key, _get(config, key))
     micro = config.train.micro_batch_size
     if isinstance(micro, str) and micro != "auto":
         raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
@@ -118,7 +109,9 @@ def check_config(config: Config) -> None:
         raise RecipeError("set train.max_steps to a positive number of optimizer steps or train.epochs above 0")
     profile = config.train.profile_steps
     if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
-        raise RecipeError(f"train.profile_steps={list(profile)} must be [first, last] optimizer steps, 1 ≤ first ≤ last")
+        raise RecipeError(
+            f"train.profile_steps={list(profile)} must be [first, last] optimizer steps, 1 ≤ first ≤ last"
+        )
     if config.log.peak_tflops is not None and config.log.peak_tflops <= 0:
         raise RecipeError(f"log.peak_tflops={config.log.peak_tflops} must be positive (the device's peak TFLOP/s)")
     if config.train.max_grad_norm < 0:
@@ -128,7 +121,8 @@ def check_config(config: Config) -> None:
     if config.data.streaming and (config.data.batching == "length_grouped" or is_budgeted(config.data)):
         raise RecipeError(
             f"data.batching={config.data.batching} sorts or budgets rows by length, which a stream does not know up "
-            "front; use data.batching=padded or packed (without data.max_tokens_per_micro_batch), or data.streaming=false"
+            "front; use data.batching=padded or packed (without data.max_tokens_per_micro_batch), or "
+            "data.streaming=false"
         )
     if config.data.batching == "token_budget" and not config.data.max_tokens_per_micro_batch:
         raise RecipeError("data.batching=token_budget needs data.max_tokens_per_micro_batch (tokens per micro-batch)")
@@ -149,12 +143,13 @@ def check_config(config: Config) -> None:
             "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
             "(or use train.precision=bf16)"
         )
+    ranks = env.world_size()
     if micro != "auto":
-        accumulation_steps(config, data_parallel_ranks())
+        accumulation_steps(config, ranks)
     elif is_budgeted(config.data):
         raise RecipeError(f"train.micro_batch_size=auto plans sequences per micro-batch; data.batching="
-                          f"{config.data.batching} fills micro-batches by tokens: run python -m finetune.plan to choose "
-                          "data.max_tokens_per_micro_batch")
-    elif config.train.global_batch_size % data_parallel_ranks():
+                          f"{config.data.batching} fills micro-batches by tokens: run python -m finetune.plan to "
+                          "choose data.max_tokens_per_micro_batch")
+    elif config.train.global_batch_size % ranks:
         raise RecipeError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
-                          f"{data_parallel_ranks()} ranks; set a multiple of {data_parallel_ranks()}")
+                          f"{ranks} ranks; set a multiple of {ranks}")

@@ -1,16 +1,23 @@
-"""The recipe schema: a tree of dataclasses (defaults and comments say what each key means), its choices, and the
-error every recipe mistake becomes. `finetune/config.py` loads recipes onto it; `finetune/checks.py` checks them."""
+"""The recipe schema: a tree of dataclasses (defaults and comments say what each key means), the one place where
+each key's choices are written (`one_of`; `CHOICES` and `choice_error` derive from it), and the error every recipe
+mistake becomes. `finetune/recipe/loading.py` loads recipes onto it; `finetune/recipe/checks.py` checks them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 from omegaconf import MISSING
 
 
 class RecipeError(ValueError):
     """A problem with the recipe or its inputs that the user can fix; printed as one line, exit code 2."""
+
+
+def one_of(*choices: str, default: str | None = None) -> Any:
+    """A key whose value is one of `choices` (default: the first)."""
+    return field(default=choices[0] if default is None else default, metadata={"choices": choices})
 
 
 @dataclass
@@ -25,8 +32,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = MISSING  # hub id, local folder, or `pkg:PACKAGE` for a model shipped inside a Python package
-    gguf_file: Optional[str] = None  # a GGUF inside name_or_path; converted once to a plain folder in the cache
-    dtype: str = "float32"  # float32 | bfloat16 | float16: the dtype the weights are loaded in
+    gguf_file: str | None = None  # a GGUF inside name_or_path; converted once to a plain folder in the cache
+    dtype: str = one_of("float32", "bfloat16", "float16")  # the dtype the weights are loaded in
     from_config: bool = False  # random init from name_or_path's config (with config_overrides): tiny test models
     config_overrides: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str = "sdpa"
@@ -40,16 +47,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib_docs"  # stdlib_docs | a jsonl/json/parquet/csv file or folder | a hub dataset id
+    source: str = "stdlib_docs"  # stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id
     split: str = "train"
-    format: str = "auto"  # auto | messages | prompt_completion | text
+    format: str = one_of("auto", "messages", "prompt_completion", "text")
     max_length: int = 1024
-    truncation: str = "right"  # right | drop | error
-    loss_on: str = "assistant"  # assistant | completion | all
-    on_bad_row: str = "error"  # error | skip
-    limit: Optional[int] = None  # keep the first N rows (quick runs)
-    batching: str = "padded"  # padded | length_grouped | token_budget | packed
-    max_tokens_per_micro_batch: Optional[int] = None  # token_budget only
+    truncation: str = one_of("right", "drop", "error")
+    loss_on: str = one_of("assistant", "completion", "all")
+    on_bad_row: str = one_of("error", "skip")
+    limit: int | None = None  # keep the first N rows (quick runs)
+    batching: str = one_of("padded", "length_grouped", "token_budget", "packed")
+    max_tokens_per_micro_batch: int | None = None  # token_budget only
     num_workers: int = 0
     streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
 
@@ -59,18 +66,19 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     # sequences per micro-batch per rank, or auto: the largest that fits this machine with the global batch kept
     # (`python -m finetune.plan` shows the choice; training plans it at start)
-    micro_batch_size: Union[int, str] = 8
+    micro_batch_size: int | str = 8
     global_batch_size: int = 8  # sequences per optimizer step over all ranks
-    global_batch_tokens: Optional[int] = None  # computed tokens per optimizer step, for token-budgeted batching
+    global_batch_tokens: int | None = None  # computed tokens per optimizer step, for token-budgeted batching
     max_steps: int = -1
     epochs: float = 1.0
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = one_of("fp32", "bf16", "fp16")
     max_grad_norm: float = 1.0
     seed: int = 42
     save_steps: int = 0  # 0: save only at the end
-    save_total_limit: Optional[int] = None
-    resume_from: Optional[str] = None  # auto (the newest complete checkpoint in output_dir, else start) | PATH
-    on_nonfinite: str = "skip"  # NaN/inf loss or gradients: skip the update (counted as nonfinite_skipped) | stop
+    save_total_limit: int | None = None
+    resume_from: str | None = None  # auto (the newest complete checkpoint in output_dir, else start) | PATH
+    # NaN/inf loss or gradients: skip the update (counted as nonfinite_skipped), or stop the run
+    on_nonfinite: str = one_of("skip", "stop")
     gradient_checkpointing: bool = False
     profile_steps: list[int] = field(default_factory=list)  # [first, last] optimizer steps under torch.profiler
     sync_each_batch: bool = False  # reduce gradients after every micro-batch: less memory under FSDP, more traffic
@@ -78,41 +86,41 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd | lamb | lars
+    name: str = one_of("adamw", "sgd", "lamb", "lars")
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.9  # sgd, lars
     trust_coefficient: float = 0.001  # lars
-    lr_scaling: str = "none"  # none | linear | sqrt
-    base_batch_size: Optional[int] = None  # the batch optim.lr was tuned for (with lr_scaling)
+    lr_scaling: str = one_of("none", "linear", "sqrt")
+    base_batch_size: int | None = None  # the batch optim.lr was tuned for (with lr_scaling)
     lr_multipliers: dict[str, float] = field(default_factory=dict)  # module-name prefix -> lr factor
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "constant"  # onecycle | warmup_cosine | linear | constant
+    name: str = one_of("onecycle", "warmup_cosine", "linear", "constant", default="constant")
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
-    warmup: str = "linear"  # linear | quadratic | constant
+    warmup: str = one_of("linear", "quadratic", "constant")
     warmup_factor: float = 0.1  # the lr factor held during a constant warmup
     min_lr_ratio: float = 0.0  # warmup_cosine floor, as a fraction of the peak lr
     pct_start: float = 0.1  # onecycle
     div_factor: float = 25.0  # onecycle: initial lr = peak / div_factor
     final_div_factor: float = 1e4  # onecycle: final lr = initial / final_div_factor
-    anneal: str = "cos"  # onecycle: cos | linear
+    anneal: str = one_of("cos", "linear")  # onecycle
 
 
 @dataclass
 class LogConfig:
     # auto: online when a W&B API key is found (WANDB_API_KEY or ~/.netrc), else offline (runs land in
-    # train.output_dir/wandb; `wandb sync` uploads them later) | offline | online | disabled
-    wandb_mode: str = "auto"
+    # train.output_dir/wandb; `wandb sync` uploads them later)
+    wandb_mode: str = one_of("auto", "offline", "online", "disabled")
     wandb_project: str = "finetune"
-    run_name: Optional[str] = None
+    run_name: str | None = None
     every_steps: int = 1
-    peak_tflops: Optional[float] = None  # the device's peak TFLOP/s for MFU; default: a table of common GPUs
+    peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU; default: a table of common GPUs
 
 
 @dataclass
@@ -123,24 +131,28 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    recipe: Optional[str] = None  # the YAML file this config came from
+    recipe: str | None = None  # the YAML file this config came from
 
 
 OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers")
 
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.format": ("auto", "messages", "prompt_completion", "text"),
-    "data.truncation": ("right", "drop", "error"),
-    "data.loss_on": ("assistant", "completion", "all"),
-    "data.on_bad_row": ("error", "skip"),
-    "data.batching": ("padded", "length_grouped", "token_budget", "packed"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "train.on_nonfinite": ("skip", "stop"),
-    "optim.name": ("adamw", "sgd", "lamb", "lars"),
-    "optim.lr_scaling": ("none", "linear", "sqrt"),
-    "schedule.name": ("onecycle", "warmup_cosine", "linear", "constant"),
-    "schedule.warmup": ("linear", "quadratic", "constant"),
-    "schedule.anneal": ("cos", "linear"),
-    "log.wandb_mode": ("auto", "offline", "online", "disabled"),
-}
+
+def _choices(section: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    found = {}
+    for f in fields(section):
+        if "choices" in f.metadata:
+            found[prefix + f.name] = f.metadata["choices"]
+        elif is_dataclass(f.default_factory):
+            found.update(_choices(f.default_factory, f"{prefix}{f.name}."))
+    return found
+
+
+CHOICES: dict[str, tuple[str, ...]] = _choices(Config)  # "optim.name" -> ("adamw", "sgd", "lamb", "lars"), …
+
+
+def choice_error(key: str, value: Any) -> RecipeError:
+    """`key=value` is not one of the key's choices: the one message for it, with the closest choice as a hint."""
+    allowed = CHOICES[key]
+    guess = difflib.get_close_matches(str(value), allowed, n=1)
+    hint = f"; did you mean '{guess[0]}'?" if guess else ""
+    return RecipeError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")

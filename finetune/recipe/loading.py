@@ -1,0 +1,172 @@
+"""`load_config(argv)`: a recipe and its `key=value` overrides onto the schema, checked; the `key=value` splitter.
+
+YAML, then `key=value` overrides, merge onto the schema (finetune/recipe/schema.py) in OmegaConf struct mode, so an
+unknown key or a value of the wrong type is an error at load time; then the cross-field checks
+(finetune/recipe/checks.py), in the user's key names. `recipe=NAME` is a path, or else a built-in recipe's name
+(`recipe=vlm.yaml`, `recipe=quickstart`: the repository's recipes/ folder); a path that exists wins.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from finetune.recipe.checks import check_config
+from finetune.recipe.schema import OPEN_DICTS, Config, RecipeError
+
+BUILT_IN_RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # beside the package in a clone (editable install)
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            keys.append(path)
+            keys += _all_keys(node._get_node(key), path + ".")
+    return keys
+
+
+# transformers.TrainingArguments names people bring along, and where that setting lives in a recipe
+TRAINER_NAMES = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation is derived from it)",
+    "num_train_epochs": "train.epochs", "lr_scheduler_type": "schedule.name", "optim": "optim.name",
+    "bf16": "train.precision", "fp16": "train.precision", "batch_size": "train.global_batch_size",
+    "model_name_or_path": "model.name_or_path", "report_to": "log.wandb_mode", "logging_steps": "log.every_steps",
+    "resume_from_checkpoint": "train.resume_from", "dataset": "data.source", "max_seq_length": "data.max_length",
+}
+
+
+def _unknown_key_error(key: str, where: str, schema: DictConfig) -> RecipeError:
+    leaf = key.rsplit(".", 1)[-1]
+    trainer_name = difflib.get_close_matches(leaf, list(TRAINER_NAMES), n=1, cutoff=0.85)
+    if trainer_name:
+        return RecipeError(f"{where}: unknown key '{key}'; in a recipe this is {TRAINER_NAMES[trainer_name[0]]}")
+    known = _all_keys(schema)
+    guess = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not guess:  # a typo in the leaf only: compare with the leaves
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+        guess = [by_leaf[g] for g in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
+    hint = f"; did you mean '{guess[0]}'?" if guess else "; see finetune/recipe/schema.py for the keys"
+    return RecipeError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _merge(schema: DictConfig, other: DictConfig, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(schema, other)
+    except (ConfigAttributeError, ConfigKeyError) as e:
+        key = e.full_key or str(e.key)
+        raise _unknown_key_error(key, where, schema) from None
+    except ValidationError as e:
+        raise RecipeError(f"{where}: {e.full_key}={e.value!r} is not a valid {_type_name(e)}; fix the value") from None
+    except OmegaConfBaseException as e:
+        raise RecipeError(f"{where}: {str(e).splitlines()[0]}") from None
+
+
+def _type_name(e: ValidationError) -> str:
+    msg = str(e).splitlines()[0]
+    for word in ("Integer", "Float", "Boolean", "String"):
+        if word in msg:
+            names = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)", "String": "string"}
+            return names[word]
+    return "value for this key"
+
+
+def recipe_file(name: str) -> Path:
+    """The file `recipe=NAME` means: NAME where it is a file, else a built-in recipe (`vlm.yaml` or `vlm`)."""
+    given = Path(name)
+    if given.is_file():
+        return given
+    if given.name == name:  # a bare name, no folder: a built-in recipe
+        for candidate in (BUILT_IN_RECIPES / name, BUILT_IN_RECIPES / f"{name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    raise RecipeError(f"recipe file '{name}' not found; pass recipe=PATH to an existing YAML file (see recipes/)")
+
+
+def _read_recipe(file: Path) -> dict:
+    path = str(file)
+    try:
+        data = yaml.safe_load(file.read_text())  # safe_load: a recipe can never construct Python objects
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections (model:, data:, train:, …)")
+    return data
+
+
+def split_tool_args(argv: list[str], tool: str, options: dict[str, Callable[[str], Any]]) -> tuple[list[str], dict]:
+    """(the recipe's arguments, {option: value}): `TOOL.NAME=VALUE` arguments are a tool's own (`plan.headroom=0.2`,
+    `verify.steps=2`), each parsed by `options[NAME]`; every other argument is the recipe's."""
+    rest, found = [], {}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        key = key.strip()
+        if not key.startswith(f"{tool}."):
+            rest.append(arg)
+            continue
+        name = key.removeprefix(f"{tool}.")
+        if name not in options:
+            names = [f"{tool}.{option}" for option in options]
+            raise RecipeError(f"unknown key '{key}'; {tool} takes {', '.join(names[:-1])} and {names[-1]}")
+        try:
+            found[name] = options[name](value)
+        except ValueError:
+            raise RecipeError(f"{key}={value!r} is not a number") from None
+    return rest, found
+
+
+def _parse_override(arg: str) -> tuple[str, Any]:
+    key, equals, value = arg.partition("=")
+    if not equals:
+        raise RecipeError(f"argument '{arg}' is not key=value; write e.g. optim.lr=1e-5 or recipe=recipes/debug.yaml")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def load_config(argv: list[str]) -> Config:
+    """`recipe=PATH` (at most one) and `key=value` overrides, in order, onto the schema; then the cross-field checks."""
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, True)
+    for key in OPEN_DICTS:  # free-form maps: their keys belong to the model or the user, not to the schema
+        OmegaConf.set_struct(OmegaConf.select(schema, key), False)
+    overrides = [_parse_override(a) for a in argv]
+    recipes = [v for k, v in overrides if k == "recipe"]
+    if len(recipes) > 1:
+        raise RecipeError("recipe= given more than once; pass one recipe and override keys with key=value")
+    cfg = schema
+    if recipes:
+        path = str(recipe_file(str(recipes[0])))
+        cfg = _merge(cfg, OmegaConf.create(_read_recipe(Path(path))), path)
+        cfg.recipe = path
+    for key, value in overrides:
+        if key == "recipe":
+            continue
+        dotted = OmegaConf.from_dotlist([])
+        try:
+            OmegaConf.update(dotted, key, value, force_add=True)
+        except OmegaConfBaseException:
+            raise RecipeError(f"override '{key}={value}': not a valid key") from None
+        cfg = _merge(cfg, dotted, "command line")
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg))
+    if missing:
+        raise RecipeError(f"{', '.join(missing)} must be set; add it to the recipe or pass {missing[0]}=…")
+    config: Config = OmegaConf.to_object(cfg)
+    check_config(config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
