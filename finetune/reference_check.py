@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 
+from finetune.labels import IGNORE_INDEX
 from finetune.recipe import RecipeError
-
-IGNORE_INDEX = -100
 
 
 def group_of(name: str) -> str:

@@ -37,11 +37,12 @@ def build(cfg: Config, callbacks: tuple = ()):
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import PrinterCallback, TrainingArguments, set_seed
 
-    from finetune import batching, models, reporting, schedules, vlm
-    from finetune.data import load_sft_dataset
-    from finetune.streaming import stream_sft_dataset
+    from finetune import models, reporting, schedules, vlm
+    from finetune.data import batching
+    from finetune.data.text import load_sft_dataset
+    from finetune.data.streaming import stream_sft_dataset
     from finetune.recipe_trainer import RecipeTrainer
-    from finetune.vision_data import VisionCollator, load_vision_dataset
+    from finetune.data.vision import VisionCollator, load_vision_dataset
 
     if cfg.train.precision == "fp16" and not reporting.has_accelerator():
         # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead

@@ -64,7 +64,7 @@ def main() -> int:
 
     from finetune import packed_attention
     from finetune.recipe import load_config
-    from finetune.data import load_sft_dataset
+    from finetune.data.text import load_sft_dataset
     from finetune.models import load_model, load_tokenizer, model_folder
 
     cfg = load_config([f"recipe={ROOT / 'recipes' / 'bench.yaml'}", "log.wandb_mode=disabled"])

@@ -171,7 +171,7 @@ class Bench:
     """What every arm shares: the options, the recipe, the data, the token budget."""
 
     def __init__(self, args):
-        from finetune.data import load_sft_dataset
+        from finetune.data.text import load_sft_dataset
         from finetune.models import load_tokenizer, model_folder
 
         self.args, self.scratch = args, tempfile.mkdtemp(prefix="bench-")

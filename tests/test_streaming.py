@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.recipe import DataConfig, RecipeError, load_config
-from finetune.data import load_sft_dataset
-from finetune.streaming import SHUFFLE_BUFFER, stream_sft_dataset
+from finetune.data.text import load_sft_dataset
+from finetune.data.streaming import SHUFFLE_BUFFER, stream_sft_dataset
 from tests.test_data import chat, smollm2_folder, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

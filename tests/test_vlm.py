@@ -16,7 +16,7 @@ from transformers import (AutoTokenizer, DataCollatorForSeq2Seq, LlamaConfig, Ll
 
 from finetune import TokenNormTrainer, shapes_captions
 from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
-from finetune.vision_data import VisionCollator, load_vision_dataset, open_image
+from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
 from finetune.vlm import IMAGE_TOKEN, image_tokenizer, is_vlm, llava_processor, prepare_vlm
 from tests.reference import reference_gradient, relative_error
 from tests.test_data import smollm2_folder, write_jsonl

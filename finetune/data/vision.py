@@ -9,13 +9,12 @@ Rows: `messages` and `images` (a list) or `image` (one), from jsonl/json/parquet
 to the file), hub datasets (PIL/encoded images), or the built-in `shapes_captions`. A message's content is a string or
 a list of parts ({"type": "image"}, {"type": "text", "text": …}); the image token inside a text (LLaVA-style
 "<image>\\n…") counts as a placeholder too; a row with images and no placeholder gets them at the start of its first
-user turn. A row without images is a text row. The label spans come from finetune/data.py's prefix renderings; each
+user turn. A row without images is a text row. The label spans come from finetune/data/text.py's prefix renderings; each
 rendering goes through the processor, so placeholders are expanded exactly as at inference.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import re
@@ -24,9 +23,10 @@ from typing import Any
 
 import torch
 
+from finetune.data.sources import BadRow, DataReport, read_records, reject_row
+from finetune.data.text import blank_tokens, detect_format, render_chat, row_labels
+from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
-from finetune.data import IGNORE, detect_format, render_chat, row_labels
-from finetune.sources import BadRow, DataReport, read_records, reject_row
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
 IMAGE_TOKEN_NAMES = ("image_token", "fake_image_token", "global_image_token", "boi_token", "eoi_token",
@@ -137,7 +137,7 @@ def image_token_ids(processor) -> set[int]:
 
 def encode_row(processor, messages: list[dict], images: list, loss_on: str, blank) -> tuple[list[int], list[int]]:
     """input_ids and labels: the full rendering and, per labelled assistant turn, its two prefix renderings, each
-    through the processor (placeholders expanded as at inference); finetune.data turns them into label spans."""
+    through the processor (placeholders expanded as at inference); finetune.data.text turns them into label spans."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     turns = [] if loss_on == "all" else turns[-1:] if loss_on == "completion" else turns
     if loss_on != "all" and not turns:
@@ -163,7 +163,7 @@ def load_vision_dataset(data: DataConfig, processor):
 
     report = DataReport(source=data.source, format="messages+images")
     if data.source == "shapes_captions":
-        from finetune import shapes_captions
+        from finetune.data import shapes_captions
 
         records = [(f"shapes_captions row {k + 1}", r) for k, r in enumerate(shapes_captions.rows(data.limit))]
         report.rows_read = len(records)
@@ -172,8 +172,7 @@ def load_vision_dataset(data: DataConfig, processor):
         if data.format not in ("auto", "messages"):
             raise RecipeError(f"data.format={data.format}: a VLM recipe reads messages rows (with images/image)")
         detect_format("messages", records, data.source)
-    tokenizer = processor.tokenizer
-    blank = functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
+    blank = blank_tokens(processor.tokenizer)
     image_ids = image_token_ids(processor)
     image_token = getattr(processor, "image_token", "<image>")
     columns: dict[str, list] = {"input_ids": [], "labels": [], "images": [], "row": [], "length": []}
@@ -191,7 +190,7 @@ def load_vision_dataset(data: DataConfig, processor):
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue
-        labels = [IGNORE if t in image_ids else label for t, label in zip(ids, labels)]
+        labels = [IGNORE_INDEX if t in image_ids else label for t, label in zip(ids, labels)]
         if len(ids) > data.max_length:
             last_image = max((i for i, t in enumerate(ids) if t in image_ids), default=-1)
             if data.truncation == "error":
@@ -202,7 +201,7 @@ def load_vision_dataset(data: DataConfig, processor):
                 continue
             ids, labels = ids[: data.max_length], labels[: data.max_length]
             report.truncated += 1
-        targets = sum(1 for label in labels[1:] if label != IGNORE)
+        targets = target_count(labels)
         if not targets:
             report.dropped_no_supervised_tokens += 1
             continue

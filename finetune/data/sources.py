@@ -1,10 +1,10 @@
 """The raw rows of the recipe's `data.source`, each with where it came from, and the counts kept while loading.
 
-Sources: `stdlib_docs` (built in, see finetune/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
+Sources: `stdlib_docs` (built in, see finetune/data/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
 them (sorted, hidden files skipped); otherwise a hub dataset id. `data.limit` counts raw rows, bad ones included.
 `DataReport` holds what loading read, kept, dropped and skipped; `BadRow` is a row that cannot be used, and
-`reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (finetune/data.py),
-streaming (finetune/streaming.py) and image rows (finetune/vision_data.py) all read and count through this module.
+`reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (finetune/data/text.py),
+streaming (finetune/data/streaming.py) and image rows (finetune/data/vision.py) all read and count through this module.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def local_files(source: str) -> list[Path] | None:
     """The data files data.source names (stdlib_docs: the built-in set's cached file; a folder: its data files), or
     None for a hub dataset id. Shared by reading and streaming, so both refuse the same sources the same way."""
     if source == "stdlib_docs":
-        from finetune.stdlib_docs import ensure_cached
+        from finetune.data.stdlib_docs import ensure_cached
 
         return [ensure_cached()]
     path = Path(source).expanduser()

@@ -3,7 +3,7 @@
 `load_sft_dataset(data, tokenizer)` returns a `datasets.Dataset` with `input_ids` and `labels` (-100 where there is
 no loss; not shifted: labels[i] is the target token at position i, the trainer shifts) and a `DataReport`.
 
-Rows come from finetune/sources.py (`stdlib_docs`, a file or folder, a hub dataset id). Formats: `messages`
+Rows come from finetune/data/sources.py (`stdlib_docs`, a file or folder, a hub dataset id). Formats: `messages`
 ([{role, content}, …]), `prompt`/`completion` (strings, or lists of messages), `text`. Chat rows go through
 `tokenizer.apply_chat_template`; the assistant spans come from prefix renderings (most templates have no
 `{% generation %}` tags): for assistant turn i, messages[:i] with the generation prompt ends where the turn starts
@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
+from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
-from finetune.sources import BadRow, DataReport, Record, read_records, reject_row
 
-IGNORE = -100
 COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str
 
 def _chat_labels(ids: list[int], prefix_ids: list[list[int]], turn_ids: list[list[int]], blank) -> list[int]:
     """Labels on each assistant span; `blank(token)`: whitespace only, trimmed from the span's end."""
-    labels = [IGNORE] * len(ids)
+    labels = [IGNORE_INDEX] * len(ids)
     for k, (prefix, turn) in enumerate(zip(prefix_ids, turn_ids), 1):
         start, end = len(prefix), len(turn)
         if ids[:start] != prefix or ids[:end] != turn or end <= start:
@@ -147,7 +147,7 @@ def fit_row(data: DataConfig, report: DataReport, where: str, ids: list[int], la
             return None
         ids, labels = ids[: data.max_length], labels[: data.max_length]
         report.truncated += 1
-    targets = sum(1 for label in labels[1:] if label != IGNORE)
+    targets = target_count(labels)
     if not targets:
         report.dropped_no_supervised_tokens += 1
         return None

@@ -2,7 +2,7 @@
 
 Files are read line by line (jsonl), batch by batch (parquet) or row by row (csv); a hub id goes through
 `datasets.load_dataset(..., streaming=True)`. Every row goes through the same functions as the in-memory path
-(`finetune/data.py`: chat template, label spans, data.max_length/truncation; `finetune/sources.py`: data.on_bad_row),
+(`finetune/data/text.py`: chat template, label spans, data.max_length/truncation; `finetune/data/sources.py`: data.on_bad_row),
 so a streamed row is exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs
 `train.max_steps`, and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted
 packing) do not apply.
@@ -18,11 +18,17 @@ from pathlib import Path
 
 import torch
 
-from finetune.recipe import DataConfig, RecipeError
-from finetune.data import blank_tokens, detect_format, fit_row, row_labels, row_strings
-from finetune.sources import (
-    FILE_KINDS, BadRow, DataReport, Record, json_line_records, local_files, reject_row,
+from finetune.data.sources import (
+    FILE_KINDS,
+    BadRow,
+    DataReport,
+    Record,
+    json_line_records,
+    local_files,
+    reject_row,
 )
+from finetune.data.text import blank_tokens, detect_format, fit_row, row_labels, row_strings
+from finetune.recipe import DataConfig, RecipeError
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
 SHUFFLE_BUFFER = 1024  # rows shuffled together: a random order within a window of the stream, as streams do

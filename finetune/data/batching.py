@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
+from finetune.labels import IGNORE_INDEX
 from finetune.recipe import Config, DataConfig, is_budgeted
 
 # Rows are sorted by length in windows of about this many budgeted micro-batches before grouping: rows of a micro-batch
@@ -37,13 +38,13 @@ class Batches:
 
 def row_collator(data: DataConfig, tokenizer) -> Callable:
     if data.batching == "packed":
-        # Each sequence's first label becomes -100 so no target crosses a boundary; attention stays within each
+        # Each sequence's first label becomes IGNORE_INDEX so no target crosses a boundary; attention stays within each
         # sequence by the restarting position_ids: train.build switches sdpa to per-sequence sdpa
         # (finetune/packed_attention.py); others derive a block-diagonal mask
         # or varlen bounds from them (only without a KV cache: the trainer runs without one).
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
-    # Pads input_ids with the pad token and labels with -100, and builds the attention mask.
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+    # Pads input_ids with the pad token and labels with IGNORE_INDEX, and builds the attention mask.
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
 
 def budget_groups(lengths: list[int], max_tokens: int, padded: bool, seed: int) -> list[list[int]]:

@@ -1,0 +1,8 @@
+"""The data side: from the recipe's `data:` section to the micro-batches the Trainer samples.
+
+Owns where rows come from (`sources`: files, folders, hub ids, the counts of a load), text rows and their chat labels
+(`text`), image+text rows and their collator (`vision`), rows streamed as training goes (`streaming`), how rows
+become micro-batches for each `data.batching` mode (`batching`), and the built-in sets (`stdlib_docs`,
+`shapes_captions`). May import `finetune.recipe`, `finetune.env`, `finetune.labels` and the data libraries (datasets,
+transformers' tokenizers and collators, PIL, torch's Dataset); never the model, training or tools packages.
+"""
