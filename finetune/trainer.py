@@ -352,9 +352,12 @@ class TokenNormTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if optimizer is not None and optimizer is not self._gated_optimizer:
-            optimizer.register_step_pre_hook(self._gate_step)
-            self._gated_optimizer = optimizer
+        inner = optimizer  # a second train() gets back accelerate's wrapper: the hook belongs on what it wraps
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if inner is not None and inner is not self._gated_optimizer:
+            inner.register_step_pre_hook(self._gate_step)
+            self._gated_optimizer = inner
         return optimizer
 
     # ---- logging ----

@@ -9,10 +9,12 @@ import copy
 import torch
 
 
-def reference_gradient(model, sequences, forward=None):
+def reference_gradient(model, sequences, forward=None, shift=True, label_smoothing=0.0):
     """Token-mean next-token cross-entropy gradient over `sequences` (dicts of 1-D input_ids/labels[, extra]).
 
     Returns ({name: float64 grad}, float64 loss). `forward(model, seq)` returns [1, T, V] logits for one sequence.
+    shift=False: position t predicts labels[t] (masked LM, token classification, a seq2seq decoder's logits).
+    label_smoothing ε: each target's loss is (1 − ε)·(−log p[target]) + ε·mean over classes of (−log p).
     """
     ref = copy.deepcopy(model).to(torch.float64)
     ref.train()
@@ -29,11 +31,13 @@ def reference_gradient(model, sequences, forward=None):
         logits = forward(ref, seq) if forward else ref(input_ids=ids)["logits"]  # ModelOutput or dict
         logits = logits[0].to(torch.float64)
         seq_loss = torch.zeros((), dtype=torch.float64)
-        for t in range(len(labels) - 1):
-            target = int(labels[t + 1])
+        offset = 1 if shift else 0
+        for t in range(len(labels) - offset):
+            target = int(labels[t + offset])
             if target == -100:
                 continue
-            seq_loss = seq_loss - torch.log_softmax(logits[t], dim=-1)[target]
+            log_p = torch.log_softmax(logits[t], dim=-1)
+            seq_loss = seq_loss - (1 - label_smoothing) * log_p[target] - label_smoothing * log_p.mean()
             total_targets += 1
         per_sequence.append(seq_loss)
     total_loss = torch.stack(per_sequence).sum()
