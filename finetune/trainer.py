@@ -27,92 +27,40 @@ code, unchanged, with one warning. Set `model.loss_type = "ForCausalLM"` on a pl
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import re
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from transformers import Trainer
-from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from finetune.loss import (
-    CAUSAL_LM, IGNORE_INDEX, SEQ2SEQ, TOKEN, cross_entropy_sum, head_cross_entropy_sum, kept_cross_entropy_sum,
-    row_cross_entropy_sums, targets_of,
+from finetune.heads import (
+    head_passes_hidden_states,
+    logits_of,
+    loss_kind,
+    loss_type_of,
+    plain_head,
 )
-from finetune.meter import TIMING_KEYS, WindowMeter, device_peak_flops, flops_per_token, matmul_parameters, window_counts
+from finetune.loss import (
+    IGNORE_INDEX,
+    SEQ2SEQ,
+    cross_entropy_sum,
+    head_cross_entropy_sum,
+    kept_cross_entropy_sum,
+    row_cross_entropy_sums,
+    targets_of,
+)
+from finetune.meter import (
+    TIMING_KEYS,
+    WindowMeter,
+    device_peak_flops,
+    flops_per_token,
+    matmul_parameters,
+    window_counts,
+)
 
 logger = logging.get_logger(__name__)
-
-
-def loss_type_of(model: torch.nn.Module) -> str | None:
-    """The model's `loss_type`; where transformers found none in the class name (a user's subclass such as
-    `MyLlama(LlamaForCausalLM)`), the first base class whose name holds one, as transformers matches names."""
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type in LOSS_MAPPING:
-        return loss_type
-    for cls in type(model).__mro__:
-        found = re.findall(f"({'|'.join(LOSS_MAPPING)})", cls.__name__)
-        if found:
-            return found[0]
-    return None
-
-
-def loss_kind(model: torch.nn.Module) -> str | None:
-    """CAUSAL_LM, TOKEN or SEQ2SEQ from the model's loss type (transformers' LOSS_MAPPING); None: not token-level."""
-    model = unwrap_peft_model(model)
-    loss = LOSS_MAPPING.get(loss_type_of(model))
-    if loss is ForCausalLMLoss:  # encoder-decoders feed right-shifted decoder inputs: their labels are unshifted
-        return SEQ2SEQ if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else CAUSAL_LM
-    if loss in (ForMaskedLMLoss, ForTokenClassification):
-        return TOKEN
-    return None
-
-
-def logits_of(outputs: Any) -> torch.Tensor | None:
-    """The logits in whatever a model returned: a tensor, a ModelOutput/dict, or a tuple."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping) and "logits" in outputs:
-        return outputs["logits"]
-    if getattr(outputs, "logits", None) is not None:
-        return outputs.logits
-    if isinstance(outputs, (tuple, list)):
-        return next((o for o in outputs if isinstance(o, torch.Tensor) and o.dim() >= 2), None)
-    return None
-
-
-def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's LM head if the chunked loss can use its weight directly: a plain nn.Linear whose parameters are
-    ordinary tensors (not FSDP2 DTensors or ZeRO-3 partitions, which exist whole only inside the module's forward),
-    in a model that does not visibly rescale or soft-cap its logits after the head."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    if getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_scaling", 1.0) != 1.0:
-        return None
-    if hasattr(model, "logit_scale"):
-        return None
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if type(head) is not torch.nn.Linear:
-        return None
-    params = [p for p in (head.weight, head.bias) if p is not None]
-    if any(type(p.data) is not torch.Tensor or hasattr(p, "ds_id") for p in params):
-        return None
-    return head
-
-
-@contextlib.contextmanager
-def head_passes_hidden_states(head: torch.nn.Module):
-    """While active, the LM head returns its input: the model returns hidden states where it would return logits."""
-    head.forward = lambda hidden_states: hidden_states  # an instance attribute shadows the class's forward
-    try:
-        yield
-    finally:
-        del head.forward
 
 
 class TokenNormTrainer(Trainer):

@@ -7,12 +7,18 @@ whether position t predicts labels[t + 1] (causal LM) or labels[t] (token classi
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM, BertForTokenClassification, T5Config, T5ForConditionalGeneration
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForTokenClassification,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from tests.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
 

@@ -14,7 +14,14 @@ from finetune import TokenNormTrainer
 from tests.dropin_models import KINDS, FallbackModule, PadEachCollator
 from tests.reference import reference_gradient, relative_error
 from tests.test_trainer import model_at
-from tests.toy import RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama, tiny_qwen_vl
+from tests.toy import (
+    RecordingCollator,
+    SnapshotCallback,
+    ragged_rows,
+    sgd_args,
+    tiny_llama,
+    tiny_qwen_vl,
+)
 
 
 def args_with(out, micro, accumulation, **changes):
@@ -31,7 +38,8 @@ def run(trainer_cls, model, rows, out, micro, accumulation, collator=None, **ext
     trainer = trainer_cls(model=model, args=sgd_args(out, micro, accumulation, **extra), train_dataset=rows,
                           data_collator=collator, callbacks=[snapshots], **trainer_kwargs)
     trainer.train()
-    windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
+    windows = [[row for batch in collator.batches[i : i + accumulation] for row in batch]
+               for i in range(0, len(collator.batches), accumulation)]
     return trainer, windows, snapshots.snapshots
 
 
@@ -69,7 +77,9 @@ def test_a_model_the_trainer_does_not_normalize_trains_exactly_as_trainer(tmp_pa
     assert "FallbackModule" in caplog.text and "Trainer's own loss" in caplog.text
     for name in ours_snaps[-1]:
         torch.testing.assert_close(ours_snaps[-1][name], stock_snaps[-1][name], rtol=0, atol=0)
-    steps = lambda t: [{k: v for k, v in e.items() if not k.startswith("train_")} for e in t.state.log_history]  # noqa: E731
+    def steps(trainer):
+        return [{k: v for k, v in e.items() if not k.startswith("train_")} for e in trainer.state.log_history]
+
     assert steps(ours) == steps(stock)
 
 
@@ -125,7 +135,7 @@ def summed_cross_entropy(outputs, labels, num_items_in_batch):
 
 def test_compute_loss_func_gets_the_window_label_tokens_and_is_exact(tmp_path):
     initial = tiny_llama()
-    trainer, windows, snapshots = run(
+    _, windows, snapshots = run(
         TokenNormTrainer, copy.deepcopy(initial), ragged_rows(10, 6), tmp_path, 2, 3,
         trainer_kwargs={"compute_loss_func": summed_cross_entropy},
     )
