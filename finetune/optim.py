@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from finetune.recipe import OptimConfig, RecipeError
-from finetune.models import matches_prefix
+from finetune.model.freeze import matches_prefix
 
 NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")
 

@@ -37,7 +37,9 @@ def build(cfg: Config, callbacks: tuple = ()):
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import PrinterCallback, TrainingArguments, set_seed
 
-    from finetune import models, reporting, schedules, vlm
+    from finetune import reporting, schedules
+    from finetune.model import loading as models
+    from finetune.model import vlm
     from finetune.data import batching
     from finetune.data.text import load_sft_dataset
     from finetune.data.streaming import stream_sft_dataset
@@ -53,7 +55,7 @@ def build(cfg: Config, callbacks: tuple = ()):
 
     # tokenizer (a GGUF is converted once into a plain folder in the cache)
     folder = models.model_folder(cfg.model)
-    vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows (finetune/vlm.py)
+    vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows (finetune/model/vlm.py)
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else models.load_tokenizer(cfg.model, folder)
 
     # data and batching, before the model: a bad row fails in seconds
@@ -75,8 +77,8 @@ def build(cfg: Config, callbacks: tuple = ()):
     # model
     set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else models.load_model(cfg.model, folder)
-    if cfg.data.batching == "packed" and not vision:  # sdpa → causal sdpa per sequence (finetune/packed_attention.py)
-        from finetune.packed_attention import use_for_packed_rows
+    if cfg.data.batching == "packed" and not vision:  # sdpa → causal sdpa per sequence (finetune/model/packed_attention.py)
+        from finetune.model.packed_attention import use_for_packed_rows
 
         reporting.main_print(use_for_packed_rows(model))
 

@@ -1,5 +1,5 @@
 """Packed-row attention: sdpa over the whole row with transformers' block-diagonal mask vs `packed_sdpa` (causal sdpa
-on each sequence, finetune/packed_attention.py), forward + backward, as ratios measured in one run.
+on each sequence, finetune/model/packed_attention.py), forward + backward, as ratios measured in one run.
 
     OMP_NUM_THREADS=1 python scripts/bench_packed_attention.py [--rows 4] [--repeats 5]
 
@@ -62,10 +62,10 @@ def main() -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
 
-    from finetune import packed_attention
+    from finetune.model import packed_attention
     from finetune.recipe import load_config
     from finetune.data.text import load_sft_dataset
-    from finetune.models import load_model, load_tokenizer, model_folder
+    from finetune.model.loading import load_model, load_tokenizer, model_folder
 
     cfg = load_config([f"recipe={ROOT / 'recipes' / 'bench.yaml'}", "log.wandb_mode=disabled"])
     folder = model_folder(cfg.model)

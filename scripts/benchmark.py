@@ -172,7 +172,7 @@ class Bench:
 
     def __init__(self, args):
         from finetune.data.text import load_sft_dataset
-        from finetune.models import load_tokenizer, model_folder
+        from finetune.model.loading import load_tokenizer, model_folder
 
         self.args, self.scratch = args, tempfile.mkdtemp(prefix="bench-")
         self.cfg = self.config([])
@@ -243,7 +243,7 @@ class Bench:
     def new_model(self):
         from transformers import set_seed
 
-        from finetune.models import load_model, model_folder
+        from finetune.model.loading import load_model, model_folder
 
         set_seed(self.cfg.train.seed)  # as build() does: the same initial weights in every arm
         return load_model(self.cfg.model, model_folder(self.cfg.model))

@@ -18,11 +18,11 @@ SCRIPT_KEYS = ("out", "ranks")
 
 
 def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
-    from finetune import models
     from finetune.data import batching
     from finetune.data.text import load_sft_dataset
+    from finetune.model.loading import load_tokenizer, model_folder
 
-    tokenizer = models.load_tokenizer(cfg.model, models.model_folder(cfg.model))
+    tokenizer = load_tokenizer(cfg.model, model_folder(cfg.model))
     dataset, report = load_sft_dataset(cfg.data, tokenizer)
     print(f"data: {report.summary()}")
     return batching.count_optimizer_steps(cfg, batching.prepare(cfg, dataset, tokenizer), ranks, accumulation)

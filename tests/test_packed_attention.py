@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
-from finetune import TokenNormTrainer, packed_attention
-from finetune.packed_attention import NAME, use_for_packed_rows
+from finetune import TokenNormTrainer
+from finetune.model import packed_attention
+from finetune.model.packed_attention import NAME, use_for_packed_rows
 from tests.reference import reference_gradient, relative_error
 from tests.test_batching import RecordingFlattening
 from tests.test_trainer import model_at

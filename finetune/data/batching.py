@@ -40,7 +40,7 @@ def row_collator(data: DataConfig, tokenizer) -> Callable:
     if data.batching == "packed":
         # Each sequence's first label becomes IGNORE_INDEX so no target crosses a boundary; attention stays within each
         # sequence by the restarting position_ids: train.build switches sdpa to per-sequence sdpa
-        # (finetune/packed_attention.py); others derive a block-diagonal mask
+        # (finetune/model/packed_attention.py); others derive a block-diagonal mask
         # or varlen bounds from them (only without a KV cache: the trainer runs without one).
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
     # Pads input_ids with the pad token and labels with IGNORE_INDEX, and builds the attention mask.

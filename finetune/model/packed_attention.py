@@ -189,4 +189,4 @@ def use_for_packed_rows(model) -> str:
     if reason is not None:
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
     model.config._attn_implementation = NAME
-    return f"attention: {NAME}, causal sdpa on each sequence of a packed row (finetune/packed_attention.py)"
+    return f"attention: {NAME}, causal sdpa on each sequence of a packed row (finetune/model/packed_attention.py)"
