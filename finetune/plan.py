@@ -126,7 +126,7 @@ def largest_fitting(values: list[int], fits) -> int | None:
 
 def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float | None = None,
          trials: Trials | None = None) -> Plan:
-    from finetune import schedules
+    from finetune.training import schedules
 
     key, unit, total, values = candidates(cfg, ranks)
     trials = trials or Trials(cfg, values[0])
@@ -196,7 +196,7 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
 
     import torch
 
-    from finetune import distributed, reporting
+    from finetune.training import distributed, reporting
 
     if distributed.uses_deepspeed() or distributed.uses_fsdp():
         raise RecipeError("train.micro_batch_size=auto plans memory with whole models (one process or DDP); under "
@@ -234,6 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from finetune.lifecycle import exit_process
+    from finetune.env import exit_process
 
     exit_process(code)

@@ -31,13 +31,13 @@ def build(cfg: Config, callbacks: tuple = ()):
         from finetune.plan import resolve_auto_micro_batch
 
         resolve_auto_micro_batch(cfg)
-    from finetune import distributed
+    from finetune.training import distributed
 
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before anything heavy
     # Heavy imports after the recipe is known good: a typo fails in a second, not after loading torch.
     from transformers import PrinterCallback, TrainingArguments, set_seed
 
-    from finetune import reporting, schedules
+    from finetune.training import reporting, schedules
     from finetune.model import loading as models
     from finetune.model import vlm
     from finetune.data import batching
@@ -129,7 +129,7 @@ def build(cfg: Config, callbacks: tuple = ()):
 
 
 def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
-    from finetune import checkpoints, lifecycle, reporting
+    from finetune.training import checkpoints, lifecycle, reporting
 
     lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
@@ -160,6 +160,6 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    from finetune.lifecycle import exit_process
+    from finetune.env import exit_process
 
     exit_process(code)

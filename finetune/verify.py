@@ -207,6 +207,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from finetune.lifecycle import exit_process
+    from finetune.env import exit_process
 
     exit_process(code)

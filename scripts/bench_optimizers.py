@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from finetune.recipe import OptimConfig
-from finetune.optim import build_optimizer
+from finetune.training.optim import build_optimizer
 
 NAMES = ("adamw", "lamb", "lars")
 

@@ -6,7 +6,7 @@ Any recipe key can be overridden as in training. `out` is the PNG to write (defa
 number of data-parallel ranks the run will use (default: $WORLD_SIZE or 1), which sets the accumulation and, for
 epoch-based runs, the number of steps. The run length is train.max_steps, or else it is counted from the tokenized
 dataset exactly as training counts it (the tokenizer and the data are loaded; the model is not). The curve comes from
-the real scheduler (`finetune.schedules.lr_per_step`) and shows the LR each optimizer step uses, as training logs it.
+the real scheduler (`finetune.training.schedules.lr_per_step`) and shows the LR each optimizer step uses, as training logs it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
 def plot(lrs: list[float], title: str, out: str) -> None:
     import matplotlib
 
-    from finetune.schedules import format_lr
+    from finetune.training.schedules import format_lr
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -56,7 +56,7 @@ def plot(lrs: list[float], title: str, out: str) -> None:
 def main(argv: list[str]) -> int:
     from finetune import env
     from finetune.recipe import RecipeError, accumulation_steps, load_config
-    from finetune.schedules import format_lr, lr_per_step, peak_lr, startup_line
+    from finetune.training.schedules import format_lr, lr_per_step, peak_lr, startup_line
 
     options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in SCRIPT_KEYS}
     recipe_args = [a for a in argv if a.split("=", 1)[0] not in SCRIPT_KEYS]

@@ -5,7 +5,7 @@ import sys
 import torch
 
 from finetune import TokenNormTrainer
-from finetune.lifecycle import exit_process
+from finetune.env import exit_process
 from tests.toy import RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 
 
@@ -33,4 +33,4 @@ def main(out: str, micro: int, accumulation: int, rows: int, seed: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
-    exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process
+    exit_process(0)  # no object teardown: see finetune.env.exit_process

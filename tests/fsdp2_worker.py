@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from finetune import TokenNormTrainer
-from finetune.lifecycle import exit_process
+from finetune.env import exit_process
 from finetune.loss import count_label_tokens, token_loss_sum
 from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
@@ -131,4 +131,4 @@ def main(out: str, folder: str, rows: int, seed: int, max_norm: float) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
-    exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process
+    exit_process(0)  # no object teardown: see finetune.env.exit_process

@@ -16,7 +16,7 @@ import sys
 from transformers import TrainerCallback
 
 import finetune.train
-from finetune import checkpoints
+from finetune.training import checkpoints
 from finetune.recipe_trainer import RecipeTrainer
 
 

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from transformers import TrainerCallback
 
 from finetune.recipe import load_config
-from finetune.lifecycle import exit_process
+from finetune.env import exit_process
 from finetune.train import build
 
 
@@ -94,4 +94,4 @@ def main(out: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], *sys.argv[2:])
-    exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process
+    exit_process(0)  # no object teardown: see finetune.env.exit_process

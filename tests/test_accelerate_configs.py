@@ -1,4 +1,4 @@
-"""accelerate_configs/*.yaml and finetune.distributed.check_launch: what `accelerate launch` hands each rank, read
+"""accelerate_configs/*.yaml and finetune.training.distributed.check_launch: what `accelerate launch` hands each rank, read
 with accelerate's own launch code (no process started), against the recipe. In-process and fast, except the last
 test, which launches 2 CPU ranks to see the error arrive as one line."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.recipe import RecipeError, load_config
-from finetune.distributed import accelerator_config, check_launch
+from finetune.training.distributed import accelerator_config, check_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -192,7 +192,7 @@ def test_fsdp_checkpoints_stay_sharded_and_the_final_save_is_consolidated(monkey
     """Only the switch is tested here: gathering the weights needs Accelerate's FSDP, which needs a GPU."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from finetune import distributed
+    from finetune.training import distributed
 
     assert distributed.callbacks() == []  # not under FSDP
     for key, value in launch_env("fsdp2", 2).items():

@@ -142,7 +142,7 @@ def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra
 
 def test_space_check_on_a_rank_whose_output_dir_is_not_made_yet(tmp_path, monkeypatch):
     """Rank 0 alone probes (and removes again) a new train.output_dir; other ranks check space on its nearest parent."""
-    from finetune import lifecycle
+    from finetune.training import lifecycle
     from finetune.recipe import RecipeError
 
     model = torch.nn.Linear(256, 256)  # 257 KiB of weights, 514 KiB of AdamW state

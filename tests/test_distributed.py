@@ -49,7 +49,7 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
 
 EXIT_SCRIPT = """
 import atexit, sys
-from finetune.lifecycle import exit_process
+from finetune.env import exit_process
 
 class Held:
     def __del__(self):

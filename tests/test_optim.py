@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from finetune.recipe import OptimConfig
-from finetune.optim import LAMB, LARS, build_optimizer
+from finetune.training.optim import LAMB, LARS, build_optimizer
 
 BETAS, EPS, DECAY, TRUST = (0.9, 0.99), 1e-6, 0.01, 0.02
 
@@ -183,8 +183,8 @@ import json, sys, torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from finetune.recipe import OptimConfig
-from finetune.optim import build_optimizer
-from finetune.lifecycle import exit_process
+from finetune.training.optim import build_optimizer
+from finetune.env import exit_process
 
 def run(model, name):
     optimizer = build_optimizer(model, OptimConfig(name=name, weight_decay=0.01, trust_coefficient=0.02), 0.05)
@@ -213,7 +213,7 @@ if dist.get_rank() == 0:
     open(sys.argv[1], "w").write(json.dumps(errors))
 dist.barrier()  # leave together: a rank whose peer has gone can abort in gloo's teardown
 dist.destroy_process_group()
-exit_process(0)  # no object teardown: see finetune.lifecycle.exit_process
+exit_process(0)  # no object teardown: see finetune.env.exit_process
 '''
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import checkpoints
+from finetune.training import checkpoints
 from finetune.recipe import RecipeError, TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

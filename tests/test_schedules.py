@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.recipe import RecipeError, ScheduleConfig, load_config
-from finetune.schedules import (build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, peak_lr,
+from finetune.training.schedules import (build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, peak_lr,
                                 scaled_lr, startup_line)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -364,7 +364,7 @@ def test_lora_targets_only_the_language_model_and_the_projector_still_trains(pro
 
 
 def test_lr_multiplier_reaches_the_projector_by_its_module_name(processor):
-    from finetune.optim import param_groups
+    from finetune.training.optim import param_groups
 
     groups = param_groups(prepared(processor), OptimConfig(lr_multipliers={"model.multi_modal_projector": 10}), 1e-3)
     fast = [g for g in groups if g["lr"] == pytest.approx(1e-2)]

@@ -5,7 +5,7 @@ import json
 import sys
 
 from finetune import TokenNormTrainer
-from finetune.lifecycle import exit_process
+from finetune.env import exit_process
 from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 

@@ -4,9 +4,7 @@ SIGTERM/SIGINT turned into "finish the step, save, say how to resume", and the f
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
 import os
 import shlex
 import shutil
@@ -14,11 +12,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
-from finetune.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
+from finetune.training.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
 from finetune.env import is_main_process, launch_kind, world_size
 from finetune.recipe import RecipeError, TrainConfig
 
@@ -115,25 +112,6 @@ def leave_together(trainer) -> None:
     undestroyed group; a rank leaving while its peer is still in a gloo collective aborts the peer)."""
     trainer.accelerator.wait_for_everyone()
     trainer.end()  # Accelerator.end_training: destroys the default process group where this process created it
-
-
-def exit_process(code: int) -> NoReturn:
-    """Exit, skipping the interpreter's object teardown on a launched rank (WORLD_SIZE > 1).
-
-    gloo's worker thread drops the last collective's tensors under the group's lock and needs the GIL for it, after
-    wait() has returned. A group object freed in that moment deadlocks (the destructor holds the GIL and waits for the
-    lock: 1 of 60 two-rank CPU runs of tests/dist_worker.py when collected by gc), and freed during interpreter
-    shutdown it aborts the rank ("terminate called without an active exception": 3 of 60). So the exit handlers run
-    (W&B, logging) with the collector off, and the process ends without tearing objects down; everything the run
-    wrote is closed by then.
-    """
-    if world_size() <= 1:
-        sys.exit(code)
-    gc.disable()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----

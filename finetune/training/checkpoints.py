@@ -1,0 +1,299 @@
+"""Checkpoints that are complete or absent, and what resuming needs (finetune/training/lifecycle.py: a run's start and end).
+
+What a checkpoint-N holds (see `save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights (model.safetensors, or the adapter's
+adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
+CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data position
+needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed from
+train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between optimizer steps, so
+global_step × accumulation micro-batches into the epoch is the position (the Trainer skips them on resume) and the
+accumulation window starts empty. Every .pt/.pth loads with `torch.load(weights_only=True)`; training_args.bin is
+written by the Trainer (a pickle of TrainingArguments) and never loaded, by us or by the Trainer's resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+from finetune.recipe import RecipeError, TrainConfig
+
+STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
+STATE_FILE = "finetune_state.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+# ---- complete or absent ----
+
+
+def staging_root(output_dir: str) -> str:
+    return os.path.join(output_dir, STAGING)
+
+
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(staged: str, final: str) -> None:
+    """Move a fully written checkpoint folder into place in one rename (same filesystem: both in output_dir).
+
+    The files are flushed to disk first, so after a power loss the rename never points at empty files.
+    """
+    for folder, _, files in os.walk(staged):
+        for name in files:
+            fsync(os.path.join(folder, name))
+        fsync(folder)
+    if os.path.exists(final):  # e.g. resumed from an older checkpoint: the new one replaces it
+        old = staged + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    fsync(os.path.dirname(os.path.abspath(final)))
+
+
+def is_complete(path: str) -> bool:
+    """Written by `commit`: our state file is the last file written before the rename."""
+    return os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+def checkpoints_in(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoint-N folders in output_dir, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path) and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def resume_path(train: TrainConfig) -> str | None:
+    """The checkpoint train.resume_from names: auto = the newest complete one in train.output_dir (None: start fresh)."""
+    resume = train.resume_from
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = checkpoints_in(train.output_dir)
+        return found[-1][1] if found else None
+    if not os.path.isdir(resume):
+        raise RecipeError(f"train.resume_from={resume}: no such checkpoint folder; give a checkpoint-N folder or auto")
+    if not is_complete(resume):
+        raise RecipeError(
+            f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or trainer_state.json); give a "
+            "checkpoint-N folder written by finetune, or auto"
+        )
+    return resume
+
+
+def write_state(folder: str, state: dict) -> None:
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump(state, f, indent=1)
+
+
+def read_state(folder: str) -> dict:
+    with open(os.path.join(folder, STATE_FILE)) as f:
+        return json.load(f)
+
+
+def write_failure(error: Exception) -> str | None:
+    """Why a save failed, if it failed to write (full disk, quota, file size limit); None for any other error."""
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    match = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(error).splitlines()[0] if str(error) else "")
+    return match.group(1) if match else None  # safetensors reports write errors as SafetensorError
+
+
+def write_error(output_dir: str, what: str, why: str) -> RecipeError:
+    return RecipeError(
+        f"train.output_dir={output_dir}: writing {what} failed ({why}); free disk space or choose another "
+        "train.output_dir (nothing half-written was left there)"
+    )
+
+
+# ---- the same model ----
+
+
+def _saved_shapes(checkpoint: str) -> tuple[str, dict[str, tuple]] | None:
+    """(weights file, {name: shape}) from the safetensors headers; None for formats without one (FSDP, DeepSpeed)."""
+    from safetensors import safe_open
+
+    for base in ("adapter_model", "model"):
+        single = os.path.join(checkpoint, f"{base}.safetensors")
+        index = os.path.join(checkpoint, f"{base}.safetensors.index.json")
+        if os.path.isfile(single):
+            files = [single]
+        elif os.path.isfile(index):
+            with open(index) as f:
+                files = sorted({os.path.join(checkpoint, v) for v in json.load(f)["weight_map"].values()})
+        else:
+            continue
+        shapes = {}
+        for file in files:
+            with safe_open(file, framework="pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        return single if len(files) == 1 else index, shapes
+    return None
+
+
+def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tuple], dict[str, set[str]]]:
+    """({name: shape}, {name: the names sharing its storage}): a tied weight is saved under one of its names."""
+    if adapter:
+        from peft import get_peft_model_state_dict
+
+        return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}, {}
+    state = model.state_dict()
+    groups: dict[tuple, set[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel():
+            groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
+    aliases = {name: group for group in groups.values() for name in group}
+    return {k: tuple(v.shape) for k, v in state.items()}, aliases
+
+
+def check_same_model(checkpoint: str, model: torch.nn.Module) -> None:
+    """One clear error when a checkpoint's weights do not fit this model (another architecture, size or LoRA set-up)."""
+    saved = _saved_shapes(checkpoint)
+    if saved is None:
+        return
+    file, shapes = saved
+    adapter = os.path.basename(file).startswith("adapter_model")
+    if adapter != hasattr(model, "peft_config"):
+        kind = "LoRA adapter" if adapter else "full model"
+        raise RecipeError(
+            f"train.resume_from: {checkpoint} holds a {kind} checkpoint but this recipe trains "
+            f"{'a full model' if adapter else 'a LoRA adapter'}; set model.lora.enabled as when it was written, or "
+            "start fresh in another train.output_dir"
+        )
+    expected, aliases = _model_shapes(model, adapter)
+    wrong = [k for k in shapes if k in expected and shapes[k] != expected[k]]
+    extra = [k for k in shapes if k not in expected]
+    missing = [k for k in expected if not (aliases.get(k, {k}) & shapes.keys())]
+    if not (wrong or extra or missing):
+        return
+    if wrong:
+        k = wrong[0]
+        what = f"{k} has shape {list(shapes[k])} there but {list(expected[k])} in this model"
+    elif extra:
+        what = f"{len(extra)} tensors there are not in this model (e.g. {extra[0]})"
+    else:
+        what = f"{len(missing)} tensors of this model are not there (e.g. {missing[0]})"
+    raise RecipeError(
+        f"train.resume_from: {file} is from a different model ({what}); resume with the recipe that wrote it, or "
+        "start fresh in another train.output_dir"
+    )
+
+
+# ---- random number generators, without pickled objects ----
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch and CUDA generator states as tensors, ints and tuples: loads with weights_only=True."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def load_rng_state(file: str) -> None:
+    set_rng_state(torch.load(file, weights_only=True))
+
+
+# ---- the Trainer's checkpoint hooks ----
+
+
+def save_atomically(trainer, save, model, trial) -> None:
+    """`save(model, trial)` (the Trainer's own _save_checkpoint) into output_dir/.staging, then renamed into place.
+
+    transformers writes checkpoint-N in place, file after file: a kill mid-save leaves a folder that looks like a
+    checkpoint and would be resumed from. The Trainer writes it under output_dir/.staging instead (through
+    `trainer.staging`, read by its _get_output_dir); once every rank has written its part, rank 0 renames it into
+    place, then rotates.
+    """
+    from transformers.trainer_utils import rotate_checkpoints
+
+    run_dir = trainer.args.output_dir
+    name = f"checkpoint-{trainer.state.global_step}"
+    staged, final = os.path.join(staging_root(run_dir), name), os.path.join(run_dir, name)
+    if trainer.args.should_save:
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+    trainer.accelerator.wait_for_everyone()
+    trainer.staging = True
+    try:
+        save(model, trial)
+        trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
+        if trainer.args.should_save:
+            write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
+            commit(staged, final)
+    except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
+        if write_failure(e) is None:
+            raise
+        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
+        raise write_error(run_dir, name, write_failure(e)) from None
+    finally:
+        trainer.staging = False
+    if trainer.args.should_save:
+        with contextlib.suppress(OSError):
+            os.rmdir(staging_root(run_dir))  # when empty
+        rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
+    trainer.accelerator.wait_for_everyone()
+
+
+def rng_file(world_size: int, process_index: int) -> str:
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{process_index}.pth"
+
+
+def restore_rng_state(checkpoint: str, file_name: str) -> None:
+    file = os.path.join(checkpoint, file_name)
+    if not os.path.isfile(file):
+        print(f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
+              "another number of ranks?)", file=sys.stderr)
+        return
+    load_rng_state(file)
+
+
+def epoch_seeded(sampler, seed: int):
+    """transformers' LengthGroupedSampler draws its order from the global torch generator, whose state at the start of
+    an epoch a resumed run cannot reproduce (pitfall 14); this one draws it from train.seed and the epoch."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+        def set_epoch(self, epoch: int) -> None:  # the Trainer calls it (through accelerate) before each epoch
+            self.generator = torch.Generator().manual_seed(seed + epoch)
+
+    if type(sampler) is not LengthGroupedSampler:
+        return sampler
+    seeded = EpochSeededLengthGroupedSampler(sampler.batch_size, lengths=sampler.lengths)
+    seeded.set_epoch(0)
+    return seeded

@@ -1,0 +1,154 @@
+"""Learning-rate schedules and LR scaling rules: pure functions of the optimizer step.
+
+`total_steps` is always the number of optimizer steps of the run (never micro-batches); the Trainer steps the
+scheduler once per optimizer step on every rank, and it is never passed through `accelerator.prepare` (which would
+step it once per process). Checks that need no run length live in `finetune.recipe.checks.check_config`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from finetune.recipe import Config, RecipeError, ScheduleConfig
+
+
+def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -> float:
+    """`optim.lr` after the scaling rule: × global/base (linear, Goyal et al. 2017) or × √(global/base) (sqrt)."""
+    if rule == "none":
+        return lr
+    if not base_batch or base_batch <= 0:
+        raise RecipeError(
+            f"optim.lr_scaling={rule} needs a positive optim.base_batch_size (the global batch optim.lr was tuned for)"
+        )
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    raise RecipeError(f"optim.lr_scaling={rule!r} is not one of none, linear, sqrt")
+
+
+def warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
+    """Warmup length in optimizer steps: schedule.warmup_steps, or ⌈warmup_ratio × total⌉."""
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+
+
+def check_schedule(total_steps: int, cfg: ScheduleConfig) -> None:
+    """Cross-checks that need the run's length (known once the data is batched); raised before training starts."""
+    if total_steps < 1:
+        raise RecipeError(f"the run has {total_steps} optimizer steps; raise train.max_steps or train.epochs")
+    if cfg.name == "onecycle":
+        if total_steps < 2:
+            raise RecipeError(f"schedule.name=onecycle needs at least 2 optimizer steps; the run has {total_steps}")
+        return
+    warmup = warmup_steps(total_steps, cfg)
+    if warmup >= total_steps:
+        key = f"schedule.warmup_steps={cfg.warmup_steps}" if cfg.warmup_steps > 0 else (
+            f"schedule.warmup_ratio={cfg.warmup_ratio} ({warmup} steps)"
+        )
+        raise RecipeError(
+            f"{key} is not below the run's {total_steps} optimizer steps; lower it (or raise train.max_steps / "
+            "train.epochs)"
+        )
+
+
+def warmup_factor(step: int, warmup: int, shape: str, constant_factor: float) -> float:
+    """The LR factor at `step` < `warmup`: rising to 1 at `warmup` (linear, quadratic) or a held constant fraction.
+
+    The ramp is (step + 1) / (warmup + 1), not step / warmup: no optimizer step is spent at LR 0.
+    """
+    if shape == "constant":
+        return constant_factor
+    progress = (step + 1) / (warmup + 1)
+    return progress if shape == "linear" else progress**2
+
+
+def lr_factor(step: int, total_steps: int, cfg: ScheduleConfig) -> float:
+    """Multiplier of each param group's peak LR for 0-based optimizer step `step` (warmup_cosine | linear | constant).
+
+    After warmup: constant holds 1; linear and warmup_cosine decay from 1 at the end of warmup towards
+    schedule.min_lr_ratio, which they reach at step `total_steps` (one past the last step, as in transformers).
+    """
+    warmup = warmup_steps(total_steps, cfg)
+    if step < warmup:
+        return warmup_factor(step, warmup, cfg.warmup, cfg.warmup_factor)
+    if cfg.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.name == "warmup_cosine" else 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: ScheduleConfig):
+    """The scheduler the Trainer steps once per optimizer step; each param group's LR is its peak."""
+    if cfg.name == "onecycle":
+        # torch's own OneCycleLR. cycle_momentum=False: the recipe's optim.betas / optim.momentum are kept as set.
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=[group["lr"] for group in optimizer.param_groups], total_steps=total_steps,
+            pct_start=cfg.pct_start, anneal_strategy=cfg.anneal, div_factor=cfg.div_factor,
+            final_div_factor=cfg.final_div_factor, cycle_momentum=False,
+        )
+    if cfg.name in ("warmup_cosine", "linear", "constant"):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+    raise RecipeError(f"schedule.name={cfg.name!r} is not one of onecycle, warmup_cosine, linear, constant")
+
+
+def lr_per_step(total_steps: int, cfg: ScheduleConfig, peak_lr: float) -> list[float]:
+    """The LR each optimizer step uses (as the Trainer logs it), from the real scheduler on a one-number optimizer."""
+    check_schedule(total_steps, cfg)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr)
+    scheduler = build_scheduler(optimizer, total_steps, cfg)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def format_lr(lr: float) -> str:
+    """1e-4 rather than 0.0001, 2.83e-4 rather than 0.000282843: the way LRs are written in recipes and papers."""
+    if lr == 0 or 1e-2 <= abs(lr) < 1e4:
+        return f"{lr:.4g}"
+    mantissa, exponent = f"{lr:.3e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def describe_batch_and_lr(
+    micro: int | str, accumulation: int, ranks: int, lr: float, scaled: float, rule: str, base: int | None,
+    global_batch: int, unit: str = "sequences",
+) -> str:
+    """The start-up line, e.g.
+    `effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 (linear rule, base 256)`.
+    """
+    line = (
+        f"effective batch {global_batch} {unit} = micro {micro} × accumulation {accumulation} × {ranks} "
+        f"rank{'s' if ranks != 1 else ''}; lr {format_lr(lr)}"
+    )
+    if rule != "none":
+        base_text = f"{base}" if unit == "sequences" else f"{base} {unit}"
+        line += f" → {format_lr(scaled)} ({rule} rule, base {base_text})"
+    return line
+
+
+def global_batch_of(cfg: Config) -> tuple[int, str]:
+    """The global batch the LR scales with, and its unit: tokens under train.global_batch_tokens, else sequences."""
+    if cfg.train.global_batch_tokens:
+        return cfg.train.global_batch_tokens, "tokens"
+    return cfg.train.global_batch_size, "sequences"
+
+
+def peak_lr(cfg: Config) -> float:
+    """optim.lr scaled by optim.lr_scaling from optim.base_batch_size to the run's global batch."""
+    return scaled_lr(cfg.optim.lr, global_batch_of(cfg)[0], cfg.optim.lr_scaling, cfg.optim.base_batch_size)
+
+
+def startup_line(cfg: Config, ranks: int, accumulation: int, total_steps: int) -> str:
+    """`describe_batch_and_lr` for a recipe, with the run's optimizer steps."""
+    global_batch, unit = global_batch_of(cfg)
+    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if unit == "tokens" else cfg.train.micro_batch_size
+    line = describe_batch_and_lr(micro, accumulation, ranks, cfg.optim.lr, peak_lr(cfg), cfg.optim.lr_scaling,
+                                 cfg.optim.base_batch_size, global_batch, unit)
+    return f"{line}; {total_steps} optimizer steps"
