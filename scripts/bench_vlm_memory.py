@@ -4,7 +4,7 @@
     python scripts/bench_vlm_memory.py model.vision_config.image_size=224 train.micro_batch_size=2
 
 Each variant runs in its own fresh process (same recipe, same rows, same seed): two optimizer steps through
-`finetune.train.build`, measured on the second (the optimizer state exists by then). Reported per variant:
+`finetune.assemble.build`, measured on the second (the optimizer state exists by then). Reported per variant:
 - peak: the process's peak memory during that step (CUDA: max_memory_allocated; CPU: VmHWM, reset before the step);
 - activations: the largest total of tensors autograd kept for backward in one micro-batch forward (weights excluded);
 and the frozen / training ratios, from this one run.
@@ -38,7 +38,7 @@ def measure(overrides: list[str]) -> dict:
     from transformers import TrainerCallback
 
     from finetune.recipe import load_config
-    from finetune.train import build
+    from finetune.assemble import build
 
     cfg = load_config(overrides)
     trainer = build(cfg)

@@ -11,7 +11,7 @@ arm; `--model smollm2`: the real SmolLM2-135M), micro-batch 8 × accumulation 4,
 - hf_padded:  transformers.Trainer (TrainingArguments defaults otherwise: fused AdamW, linear schedule),
   DataCollatorForSeq2Seq (labels -100 on padding), random order;
 - hf_flatten: transformers.Trainer, DataCollatorWithFlattening (padding-free rows of 8 sequences);
-- padded, length_grouped, token_budget, packed: ours, `finetune.train.build(cfg)` on recipes/bench.yaml with
+- padded, length_grouped, token_budget, packed: ours, `finetune.assemble.build(cfg)` on recipes/bench.yaml with
   data.batching set (what users run). token_budget holds the mean computed tokens of a random padded micro-batch of 8
   (`data.max_tokens_per_micro_batch`) and 4× that per optimizer step (`train.global_batch_tokens`); packed puts 8
   sequences in a row, as hf_flatten does (`--packed budget`: filled to the token budget instead);
@@ -221,7 +221,7 @@ class Bench:
         return self.run_hf(arm, cuda)
 
     def run_ours(self, arm: str, accumulation: int, steps: int, cuda: bool) -> Clock:
-        from finetune.train import build
+        from finetune.assemble import build
 
         keys = [f"train.max_steps={steps}", "log.wandb_mode=disabled", "train.save_steps=0"]
         if arm == "token_budget" or (arm == "packed" and self.args.packed == "budget"):

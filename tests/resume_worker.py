@@ -15,7 +15,7 @@ import sys
 
 from transformers import TrainerCallback
 
-import finetune.train
+import finetune.tools.train
 from finetune.training import checkpoints
 from finetune.recipe_trainer import RecipeTrainer
 
@@ -66,6 +66,6 @@ def arm(kill_at: str) -> tuple:
 
 if __name__ == "__main__":
     callbacks = arm(sys.argv[1])
-    train = finetune.train.train
-    finetune.train.train = lambda cfg, argv=None: train(cfg, callbacks=callbacks, argv=argv)
-    sys.exit(finetune.train.main(sys.argv[2:]))
+    train = finetune.tools.train.train
+    finetune.tools.train.train = lambda cfg, argv=None: train(cfg, callbacks=callbacks, argv=argv)
+    sys.exit(finetune.tools.train.main(sys.argv[2:]))

@@ -1,5 +1,5 @@
 """Run under `accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2` on CPU: count DDP's
-gradient all-reduces per optimizer step, with and without train.sync_each_batch, through finetune.train.build.
+gradient all-reduces per optimizer step, with and without train.sync_each_batch, through finetune.assemble.build.
 
 A DDP communication hook (registered on the wrapped model when training begins) records which micro-batch's
 backward reduced gradients; a wrapper around torch.distributed.all_reduce records the other all-reduces (the
@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from finetune.recipe import load_config
 from finetune.env import exit_process
-from finetune.train import build
+from finetune.assemble import build
 
 
 class CommunicationLog(TrainerCallback):

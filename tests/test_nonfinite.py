@@ -48,7 +48,7 @@ def step_logs(folder: Path) -> list[dict]:
 
 @pytest.mark.parametrize("kind", ["loss", "grad"])
 def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path):
-    from finetune.train import train
+    from finetune.tools.train import train
 
     poison(kind)
     assert train(load_config([*COMMON, f"train.output_dir={tmp_path}", "train.on_nonfinite=skip"])) == 0
@@ -70,7 +70,7 @@ def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path)
 
 
 def test_stop_exits_3_with_one_line_naming_the_step_and_saves_nothing_new(poison, tmp_path, capsys):
-    from finetune.train import main
+    from finetune.tools.train import main
 
     poison("loss")
     code = main([*COMMON, f"train.output_dir={tmp_path}", "train.on_nonfinite=stop"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from finetune import memory_trials
-from finetune import plan as planner
+from finetune.tools import memory_trials
+from finetune.tools import plan as planner
 from finetune.recipe import RecipeError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune import train
+from finetune.tools import train
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("plot_run", ROOT / "scripts" / "plot_run.py")

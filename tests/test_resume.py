@@ -59,7 +59,7 @@ def reference(tmp_path_factory):
 
     def get(mode: str) -> Path:
         if mode not in _references:
-            from finetune.train import train
+            from finetune.tools.train import train
 
             out = tmp_path_factory.mktemp(f"reference-{mode}")
             assert train(load_config([*COMMON, *MODES[mode], "train.save_steps=1", f"train.output_dir={out}"])) == 0
@@ -99,7 +99,7 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
     [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3), ("padded+lora", 3)],  # 2: epoch end
 )
 def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp_path):
-    from finetune.train import train
+    from finetune.tools.train import train
 
     ref = reference(mode)
     out = tmp_path / "resumed"
@@ -113,7 +113,7 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
 
 
 def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tmp_path):
-    from finetune.train import train
+    from finetune.tools.train import train
 
     ref = reference("padded")  # 2 optimizer steps per epoch: with train.max_steps=3, checkpoint-3 is mid-epoch
     shutil.copytree(ref / "checkpoint-3", tmp_path / "checkpoint-3")
@@ -127,7 +127,7 @@ def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tm
 
 def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
     from finetune import recipe_trainer as trainer_module
-    from finetune.train import build
+    from finetune.assemble import build
 
     state = checkpoints.read_state(str(reference("padded") / "checkpoint-2"))
     warnings = []
@@ -245,7 +245,7 @@ def test_the_package_loads_no_pickle_and_trusts_no_remote_code_unless_the_recipe
 
     assert ModelConfig().trust_remote_code is False
     problems = []
-    for source in sorted((ROOT / "finetune").glob("*.py")):
+    for source in sorted((ROOT / "finetune").rglob("*.py")):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]

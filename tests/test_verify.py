@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import verify
+from finetune.tools import verify
 from finetune.recipe import RecipeError, load_config
-from finetune.reference_check import group_of
+from finetune.tools.reference_check import group_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))

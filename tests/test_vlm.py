@@ -406,7 +406,7 @@ def ask_about_an_image(folder: Path, image, new_tokens: int):
 
 
 def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_folder, tmp_path):
-    from finetune.train import build
+    from finetune.assemble import build
 
     out = tmp_path / "out"
     cfg = load_config([f"model.name_or_path={tiny_vlm_folder}", "data.source=shapes_captions", "data.limit=8",
@@ -432,7 +432,7 @@ def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_fol
     ["data.batching=token_budget", "data.max_tokens_per_micro_batch=300", "train.global_batch_tokens=600"],
 ], ids=lambda b: b[0].split("=")[1])
 def test_every_batching_mode_carries_each_rows_images(tiny_vlm_folder, batching, tmp_path):
-    from finetune.train import build
+    from finetune.assemble import build
 
     cfg = load_config([f"model.name_or_path={tiny_vlm_folder}", "data.source=shapes_captions", "data.limit=12",
                        "data.max_length=150", "train.micro_batch_size=2", "train.global_batch_size=4",

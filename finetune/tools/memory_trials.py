@@ -1,6 +1,7 @@
-"""Memory trials for `finetune.plan`: real training steps on worst-case micro-batches, and the memory they take.
+"""Memory trials for the planner: real training steps on worst-case micro-batches, and the memory they take.
 
-`Trials` builds the recipe's trainer once (as training builds it) and runs one training step (forward, backward,
+`Trials` builds the recipe's trainer once (`finetune.assemble.build`, as training builds it, with its output in a
+temporary folder removed on `close()` or when used as a context manager) and runs one training step (forward, backward,
 optimizer step) on copies of the dataset's longest row, every token a target. On a GPU a step reports its peak
 reserved memory (an out-of-memory raises `torch.OutOfMemoryError`); on CPU the RSS before the step (after glibc hands
 freed heap back) plus the peak of tensor bytes the step allocated, from torch's profiler. `fit_line` turns CPU
@@ -50,14 +51,15 @@ class Trials:
     def __init__(self, cfg: Config, smallest: int):
         import torch
 
-        from finetune.train import build
+        from finetune.assemble import build
 
         trial = copy.deepcopy(cfg)
         if is_budgeted(trial.data):
             trial.data.max_tokens_per_micro_batch = smallest
         else:
             trial.train.micro_batch_size = smallest
-        trial.train.output_dir = tempfile.mkdtemp(prefix="finetune-plan-")
+        self._output = tempfile.TemporaryDirectory(prefix="finetune-plan-")  # removed by close(), else when collected
+        trial.train.output_dir = self._output.name
         trial.train.save_steps, trial.train.resume_from, trial.log.wandb_mode = 0, None, "disabled"
         with contextlib.redirect_stdout(io.StringIO()):  # build's start-up lines are training's, not the plan's
             self.trainer = build(trial)
@@ -72,6 +74,16 @@ class Trials:
         self.on_gpu = self.device.type == "cuda"
         self.oom = torch.OutOfMemoryError
         self.warm_up = smallest  # the first step creates the optimizer state (and the trainer probes its loss head)
+
+    def close(self) -> None:
+        """Remove the trial trainer's temporary output folder."""
+        self._output.cleanup()
+
+    def __enter__(self) -> Trials:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _longest_row(self) -> dict:
         dataset = self.trainer.train_dataset

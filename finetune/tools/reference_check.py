@@ -1,8 +1,9 @@
 """The reference side of `finetune.verify`: what a training window held and applied, and that gradient recomputed.
 
-- `WindowRecorder`: the rows of every micro-batch as the collator got them, grouped per fetched window.
-- `make_capture`: a callback keeping, before each optimizer step, the applied gradient, the parameters, the rows of
-  all ranks (gathered to rank 0) and the norm the trainer clipped with.
+- `recording_trainer`: the recipe's trainer class recording into a `WindowRecorder` (a subclass built with, not a
+  trainer patched afterwards): the rows of every micro-batch as the collator got them, grouped per fetched window,
+  the norm the trainer clipped with, and (`GradientCapture`, a callback) before each optimizer step the applied
+  gradient, the parameters and the rows of all ranks (gathered to rank 0).
 - `reference_placement`, `reference_gradient`: the token-mean next-token cross-entropy over those rows, each sequence
   alone and unpadded, in float64 where it fits (else float32), with the loss written out here (not `finetune.loss`).
 - `compare`, `micro_batch_weights`: the relative error overall and per parameter group, and the least-squares weight
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 
+from finetune.env import is_main_process
 from finetune.labels import IGNORE_INDEX
 from finetune.recipe import RecipeError
 
@@ -39,54 +41,53 @@ def silence_dropout(model) -> None:
 
 
 class WindowRecorder:
-    """Rows of every micro-batch as the collator got them (before padding or packing), grouped per fetched window.
+    """What verify keeps of a training run: the rows of every micro-batch as the collator got them (before padding or
+    packing), grouped per fetched window; the gradient norm each optimizer step clipped with; and, per step, the
+    capture `GradientCapture` takes before the update.
 
     The collator runs one micro-batch ahead of the loop (accelerate's look-ahead), so rows wait in a queue until
     `get_batch_samples` says how many micro-batches the window took.
     """
 
-    def __init__(self, trainer):
+    def __init__(self):
         self.pending: deque = deque()
         self.windows: list[list[list[dict]]] = []  # per window: its micro-batches' rows
-        self.collate = collate = trainer.data_collator
-        fetch = trainer.get_batch_samples
+        self.norms: list[float] = []  # per optimizer step: the norm the trainer clipped with
+        self.captures: list[dict] = []  # per optimizer step (empty dicts on ranks other than 0)
+        self.collate = None  # the recipe's own collator
+
+    def recording(self, collate):
+        """`collate` that also keeps each micro-batch's rows."""
+        self.collate = collate
 
         def recording_collator(features):
             rows = [row for item in features for row in (item if isinstance(item, list) else [item])]
             self.pending.append([dict(row) for row in rows])
             return collate(features)
 
-        def recording_fetch(epoch_iterator, num_batches, device):
-            samples, count = fetch(epoch_iterator, num_batches, device)
-            self.windows.append([self.pending.popleft() for _ in samples])
-            return samples, count
+        return recording_collator
 
-        trainer.data_collator = recording_collator
-        trainer.get_batch_samples = recording_fetch
+    def window_fetched(self, micro_batches: int) -> None:
+        self.windows.append([self.pending.popleft() for _ in range(micro_batches)])
 
 
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard → the whole tensor
-
-
-def make_capture(trainer, recorder: WindowRecorder, steps: int):
-    """A callback that, before each optimizer step, keeps the applied gradient, the parameters and all ranks' rows."""
-    import torch
-    import torch.distributed as dist
+def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
+    """`base` (the recipe's trainer class) recording into `recorder` for `steps` optimizer steps, then stopping: the
+    trainer class verify builds with. The Trainer's own progress bar and step lines are left out."""
     from transformers import TrainerCallback
-
-    from finetune.env import is_main_process
-
-    # The norm the trainer clipped with: the reference is clipped by the same factor, so the check is of the gradient,
-    # not of torch's float32 norm (off by ~1e-4 relative on CPU for millions of elements; reported beside).
-    norms, clip = [], trainer._clip_grad_norm
-    trainer._clip_grad_norm = lambda model: norms.append(float(norm := clip(model))) or norm
+    from transformers.trainer_callback import ProgressCallback
 
     class GradientCapture(TrainerCallback):
-        def __init__(self):
-            self.captures: list[dict] = []
+        """Before each optimizer step: the applied gradient, the parameters and all ranks' rows (gathered to rank 0)."""
+
+        def __init__(self, trainer):
+            self.trainer = trainer
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            import torch
+            import torch.distributed as dist
+
+            trainer = self.trainer
             trainable = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
             if any(hasattr(p, "full_tensor") for _, p in trainable):
                 raise RecipeError("finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
@@ -99,24 +100,46 @@ def make_capture(trainer, recorder: WindowRecorder, steps: int):
             unscale = scaler.get_scale() if scaler is not None and args.max_grad_norm <= 0 else 1.0
             keep = lambda t: t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)  # noqa
             grads = {n: keep(_full(p.grad)) / unscale if p.grad is not None else None for n, p in trainable}
-            rows = recorder.windows[len(self.captures)]
+            rows = recorder.windows[len(recorder.captures)]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, rows)
                 rows = [micro_batch for rank_rows in gathered for micro_batch in rank_rows]
             if is_main_process():
                 params = {n: p.detach().to("cpu", copy=True) for n, p in trainable}
-                norm = norms[-1] if args.max_grad_norm > 0 else None
-                self.captures.append({"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1,
-                                      "norm": norm})
+                norm = recorder.norms[-1] if args.max_grad_norm > 0 else None
+                recorder.captures.append({"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1,
+                                          "norm": norm})
             else:
-                self.captures.append({})
+                recorder.captures.append({})
 
         def on_step_end(self, args, state, control, **kwargs):
-            if len(self.captures) >= steps:
+            if len(recorder.captures) >= steps:
                 control.should_training_stop = True
 
-    return GradientCapture()
+    class RecordingTrainer(base):
+        def __init__(self, *args, data_collator=None, callbacks=None, **kwargs):
+            kept = [c for c in callbacks or [] if not isinstance(c, ProgressCallback)]
+            super().__init__(*args, data_collator=recorder.recording(data_collator),
+                             callbacks=[*kept, GradientCapture(self)], **kwargs)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            samples, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+            recorder.window_fetched(len(samples))
+            return samples, count
+
+        def _clip_grad_norm(self, model):
+            # The reference is clipped by the factor the trainer clipped with, so the check is of the gradient, not of
+            # torch's float32 norm (off by ~1e-4 relative on CPU for millions of elements; reported beside).
+            norm = super()._clip_grad_norm(model)
+            recorder.norms.append(float(norm))
+            return norm
+
+    return RecordingTrainer
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard → the whole tensor
 
 
 def reference_placement(model, trainable: int):
@@ -164,7 +187,8 @@ def reference_gradient(model, micro_batches: list[list[dict]], inputs_of, dtype,
             (sequence_loss / targets_total).backward()  # one sequence at a time: the gradients add up
             loss_sum += float(sequence_loss.detach())
         if keep_parts:  # this micro-batch's share: the running sum now minus before
-            now = {n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape) for n, p in trainable.items()}
+            now = {n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape)
+                   for n, p in trainable.items()}
             parts.append({n: g - previous[n] if previous else g for n, g in now.items()})
             previous = now
     grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}

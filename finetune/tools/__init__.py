@@ -1,0 +1,9 @@
+"""The commands: train a recipe (`train`), plan the largest micro-batch that fits (`plan`, with `memory_trials`), and
+prove that a recipe's training step applies the exact token-mean gradient (`verify`, with `reference_check`).
+
+Each `main(argv)` is what an entry script runs (finetune/train.py, `python -m finetune.plan`, `python -m
+finetune.verify`, and the finetune-train/-plan/-verify console scripts). They are the users of `finetune.assemble`,
+never used by it: they may import everything in finetune; nothing but the entry scripts imports them (the training
+command calls the planner for `train.micro_batch_size: auto`). Module level imports only the recipe and the
+environment, so a recipe mistake is reported before torch loads.
+"""

@@ -1,0 +1,65 @@
+"""Train a recipe: what `finetune/train.py` (and the `finetune-train` console script) runs.
+
+    accelerate launch finetune/train.py recipe=recipes/quickstart.yaml optim.lr=1e-5
+    python finetune/train.py recipe=debug train.max_steps=3
+
+Top to bottom: recipe → launch settings → output folder → micro-batch size (`auto`: planned on this machine,
+finetune/tools/plan.py) → the trainer (`finetune.assemble.build`) → resume → train → save → end-of-run table.
+Nothing heavy is imported before the recipe is known good: a typo fails in a second, before torch loads.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from finetune.env import is_main_process
+from finetune.recipe import Config, RecipeError, load_config, to_yaml
+from finetune.training import distributed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(argv)
+        distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before torch loads
+        return train(cfg, argv=argv)
+    except RecipeError as e:
+        if is_main_process():
+            print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
+
+
+def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
+    """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
+    fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
+    from finetune.assemble import build
+    from finetune.training import checkpoints, lifecycle, reporting
+
+    lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
+    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
+    with stop.installed():
+        if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
+            from finetune.tools.plan import resolve_auto_micro_batch
+
+            resolve_auto_micro_batch(cfg)
+        trainer = build(cfg, callbacks=callbacks, stop_request=stop)
+        lifecycle.check_space(cfg.train.output_dir, trainer.model)
+        resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
+        if line := lifecycle.start_line(cfg.train, resume):
+            reporting.main_print(line)
+        trainer.train(resume_from_checkpoint=resume)
+        if stop.requested and trainer.state.global_step < trainer.state.max_steps:
+            reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
+            lifecycle.leave_together(trainer)
+            return 0
+
+        # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
+        lifecycle.save_final(trainer, {"recipe.yaml": to_yaml(cfg)} if trainer.is_world_process_zero() else {})
+    figures = reporting.summary(cfg, trainer)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, reporting.RecipeWandbCallback):
+            callback.finish(figures)
+    if trainer.is_world_process_zero():
+        reporting.print_summary(cfg, trainer, figures)
+    lifecycle.leave_together(trainer)
+    return 0

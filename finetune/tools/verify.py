@@ -1,0 +1,200 @@
+"""Prove on your own recipe that training applies the exact token-mean gradient.
+
+    python -m finetune.verify recipe=recipes/debug.yaml [key=value …] [verify.steps=2] [verify.tolerance=1e-5]
+    accelerate launch -m finetune.verify recipe=recipes/quickstart.yaml
+
+The recipe runs as training runs it (`finetune.assemble.build`: model, data, batching, precision, ranks, LoRA/freeze)
+for `verify.steps` optimizer steps (default 1), with the recipe's trainer class recording what it does
+(`reference_check.recording_trainer`). Just before each optimizer step the applied gradient is captured and compared
+with a reference computed from the rows that window really held (gathered from every rank): each sequence alone,
+unpadded, in float64 (float32 when the model does not fit), with the loss written out in
+finetune/tools/reference_check.py (not `finetune.loss`), then clipped by the factor the trainer clipped with
+(`train.max_grad_norm`). A row becomes model inputs through the recipe's own collator given that one row (nothing to
+pad or pack), so image rows of a VLM recipe come with their pixel values. This module runs the recipe and reports;
+reference_check records the windows and computes the reference. Exit 0 when both checks pass, 1 when one fails, 2 for
+a recipe error:
+
+- relative error ‖applied − reference‖ / ‖reference‖ (also per parameter group), within the tolerance of the lowest
+  precision among `train.precision` and `model.dtype` (TOLERANCES: fp32 1e-5; bf16 5e-2; fp16 1e-2, three more
+  mantissa bits than bf16). Rounding grows with depth and falls with precision; `verify.tolerance=` overrides it.
+- micro-batch weights: the least-squares w with applied ≈ Σ_k w_k × reference_k over the window's micro-batches (all
+  ranks). Every w_k is 1 when every target token counts once, up to rounding, within WEIGHT_TOLERANCES; a
+  normalization bug moves them far (a mean of micro-batch means: each micro-batch weighted by the window's targets
+  over accumulation × its own; DDP scaling: W or 1/W; accumulation divided twice: 1/K).
+
+The figures measured on the shipped recipes are in the README ("How exact").
+
+Changed for the check, none of which can change the gradient: output in a temporary directory (removed after), no
+checkpoints, W&B off, no resume, `data.num_workers=0` (rows are recorded in this process). Dropout is switched off in
+the trained model and the reference alike, so the step is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from finetune.env import is_main_process, world_size
+from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
+from finetune.tools.reference_check import (
+    WindowRecorder,
+    compare,
+    micro_batch_weights,
+    recording_trainer,
+    reference_gradient,
+    reference_placement,
+    silence_dropout,
+)
+
+TOLERANCES = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
+# Largest |w - 1| of the micro-batch weights (`micro_batch_weights`): rounding barely moves them, normalization bugs do
+WEIGHT_TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class StepCheck:
+    step: int
+    rows: int
+    label_tokens: int
+    error: float  # ‖applied − reference‖ / ‖reference‖ over all trainable parameters
+    groups: dict[str, tuple[float, float]] = field(default_factory=dict)  # group → (relative error, ‖reference‖)
+    clip: float = 1.0  # the factor clipping applied to the reference (1: not clipped)
+    norms: tuple[float, float] | None = None  # pre-clip gradient norm: (the trainer's, the reference's)
+    weights: list[float] | None = None  # per micro-batch (all ranks): applied ≈ Σ w_k × reference_k
+    reference_loss: float = 0.0
+    logged_loss: float | None = None
+
+
+def split_args(argv: list[str]) -> tuple[list[str], int, float | None]:
+    """(recipe arguments, verify.steps, verify.tolerance): the verify.* keys are this tool's, not the recipe's."""
+    rest, given = split_tool_args(argv, "verify", {"steps": int, "tolerance": float})
+    for name, number in given.items():
+        if number <= 0:
+            raise RecipeError(f"verify.{name}={number} must be positive")
+    return rest, given.get("steps", 1), given.get("tolerance")
+
+
+def tolerance_for(cfg: Config) -> tuple[float, str]:
+    """The tolerance of the lowest precision the step runs in (mixed precision or the weights' own dtype)."""
+    precision = max((cfg.train.precision, PRECISION_OF_DTYPE[cfg.model.dtype]), key=TOLERANCES.get)
+    return TOLERANCES[precision], precision
+
+
+
+def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
+    """Train `steps` optimizer steps of the recipe and check each; the checks on rank 0, [] elsewhere."""
+    import gc
+
+    import psutil
+    import torch
+
+    from finetune import recipe_trainer
+    from finetune.assemble import build
+
+    recorder = WindowRecorder()
+    trainer_cls = recording_trainer(recipe_trainer.RecipeTrainer, recorder, steps)
+    cfg.train.save_steps, cfg.train.resume_from, cfg.log.wandb_mode, cfg.data.num_workers = 0, None, "disabled", 0
+    with tempfile.TemporaryDirectory(prefix="finetune-verify-") as output_dir:
+        cfg.train.output_dir = output_dir
+        trainer = build(cfg, trainer_cls=trainer_cls)
+        silence_dropout(trainer.model)
+        trainer.train()
+    if not is_main_process():
+        return []
+
+    logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
+    model, max_norm = trainer.model, trainer.args.max_grad_norm
+    trainer.optimizer = trainer.lr_scheduler = trainer.model_wrapped = None
+    trainer.accelerator.free_memory()
+    gc.collect()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    n_trainable = sum(p.numel() for p in trainable.values())
+    dtype, device = reference_placement(model, n_trainable)
+    model.to(device=device, dtype=dtype)
+    model.train()
+    print(f"verify: reference in {str(dtype).removeprefix('torch.')} on {device}, one sequence at a time", flush=True)
+
+    def inputs_of(row: dict) -> dict:
+        """One row alone as the model takes it (images included), no labels: the recipe's collator on one row pads
+        nothing and packs nothing."""
+        batch = recorder.collate([[row]] if is_budgeted(cfg.data) else [row])
+        return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                for k, v in batch.items() if k != "labels" and isinstance(v, torch.Tensor)}
+
+    checks = []
+    for capture_k in recorder.captures:
+        with torch.no_grad():
+            for name, value in capture_k["params"].items():
+                trainable[name].copy_(value)
+        micro_batches = capture_k["rows"]
+        keep_parts = len(micro_batches) * n_trainable * 4 <= psutil.virtual_memory().available / 4
+        reference, loss, targets, parts = reference_gradient(model, micro_batches, inputs_of, dtype, device, keep_parts)
+        clip, norms = 1.0, None
+        if capture_k["norm"] is not None:
+            norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))
+            clip = min(1.0, max_norm / (norms[0] + 1e-6))  # what torch.nn.utils.clip_grad_norm_ multiplies by
+            reference = {n: g * clip for n, g in reference.items()}
+        error, groups = compare(capture_k["grads"], reference)
+        weights = micro_batch_weights(capture_k["grads"], parts, clip) if parts else None
+        step, rows = capture_k["step"], sum(len(micro_batch) for micro_batch in micro_batches)
+        checks.append(StepCheck(step, rows, targets, error, groups, clip, norms, weights, loss, logged.get(step)))
+    return checks
+
+
+def weight_deviation(check: StepCheck) -> float:
+    return max((abs(w - 1) for w in check.weights or [] if not math.isnan(w)), default=0.0)
+
+
+def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int) -> tuple[str, bool]:
+    """The printed report and whether every step passed."""
+    weight_tolerance = WEIGHT_TOLERANCES[precision]
+    lines = []
+    for c in checks:
+        clip = f", clipped ×{c.clip:.3g}" if c.clip < 1 else ""
+        logged = f", logged {c.logged_loss:.6g}" if c.logged_loss is not None else ""
+        lines.append(f"step {c.step}: {c.rows} sequences, {c.label_tokens} target tokens from {ranks} "
+                     f"rank{'s' if ranks != 1 else ''}{clip}; reference loss {c.reference_loss:.6g}{logged}")
+        if c.norms:
+            lines.append(f"  gradient norm before clipping: trainer {c.norms[0]:.6g}, reference {c.norms[1]:.6g} "
+                         f"(relative difference {abs(c.norms[0] - c.norms[1]) / max(c.norms[1], 1e-30):.1e})")
+        lines.append(f"  relative error {c.error:.2e}  (tolerance {tolerance:g}, {precision})")
+        if c.weights is not None:
+            shown = " ".join(f"{w:.6f}" for w in c.weights[:16]) + (" …" if len(c.weights) > 16 else "")
+            lines.append(f"  micro-batch weights (1: each target token counts once): {shown}  (largest deviation "
+                         f"{weight_deviation(c):.1e}, tolerance {weight_tolerance:g})")
+        width = max(len(g) for g in c.groups)
+        for group, (error, norm) in c.groups.items():
+            mark = "  <-- above tolerance" if error > tolerance else ""
+            lines.append(f"    {group:<{width}}  {error:.2e}  (‖reference‖ {norm:.3g}){mark}")
+    worst = max(c.error for c in checks)
+    worst_weight = max(weight_deviation(c) for c in checks)
+    passed = worst <= tolerance and worst_weight <= weight_tolerance
+    lines.append(f"verify: {'PASS' if passed else 'FAIL'}: largest relative error {worst:.2e} (tolerance "
+                 f"{tolerance:g}), largest micro-batch weight deviation {worst_weight:.1e} (tolerance {weight_tolerance:g}) over "
+                 f"{len(checks)} step{'s' if len(checks) != 1 else ''}, {precision}")
+    return "\n".join(lines), passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        rest, steps, tolerance = split_args(argv)
+        cfg = load_config(rest)
+        default_tolerance, precision = tolerance_for(cfg)
+        tolerance = tolerance or default_tolerance
+        checks = run(cfg, steps)
+    except RecipeError as e:
+        if is_main_process():
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not is_main_process():
+        return 0
+    if not checks:
+        print("error: the run made no optimizer step; is the data empty?", file=sys.stderr)
+        return 2
+    text, passed = report(checks, tolerance, precision, world_size())
+    print(text, flush=True)
+    return 0 if passed else 1
