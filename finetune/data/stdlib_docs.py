@@ -3,7 +3,7 @@
 For each stdlib module (`sys.stdlib_module_names`, sorted; GUI, platform and side-effect modules skipped) the public
 functions and classes whose `__module__` is that module and that carry their own docstring become one conversation:
 "What does `json.dumps` do?" (or "What is `json.JSONEncoder`?") → `inspect.getdoc(obj)`. Built in-process once per
-Python version (about a second) and cached as jsonl under `$FINETUNE_CACHE` (default ~/.cache/finetune).
+Python version and cached as jsonl under `$FINETUNE_CACHE` (default ~/.cache/finetune).
 The set depends a little on what the building process imported before (torch replaces `inspect.getfile`, which then
 no longer counts as the stdlib's); the cache file fixes it once per Python version.
 """

@@ -33,7 +33,7 @@ from finetune.tools.memory_trials import Trials, available_bytes, fit_line
 
 HEADROOM = 0.10
 GIB = 2**30
-CPU_TRIAL_TOKENS = 8192  # CPU trials stay this small (a step of a real model at 8k tokens takes a minute or more)
+CPU_TRIAL_TOKENS = 8192  # CPU trials stay this small: a real model's step on many thousand tokens is slow on a CPU
 SAFE_TRIAL = 0.8  # a CPU trial runs only where the prediction so far is this far below the limit
 
 

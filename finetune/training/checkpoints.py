@@ -1,13 +1,14 @@
-"""Checkpoints that are complete or absent, and what resuming needs (finetune/training/lifecycle.py: a run's start and end).
+"""Checkpoints that are complete or absent, and what resuming needs (lifecycle.py: a run's start and end).
 
-What a checkpoint-N holds (see `save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights (model.safetensors, or the adapter's
-adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
-CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data position
-needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed from
-train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between optimizer steps, so
-global_step × accumulation micro-batches into the epoch is the position (the Trainer skips them on resume) and the
-accumulation window starts empty. Every .pt/.pth loads with `torch.load(weights_only=True)`; training_args.bin is
-written by the Trainer (a pickle of TrainingArguments) and never loaded, by us or by the Trainer's resume.
+What a checkpoint-N holds (see `save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights
+(model.safetensors, or the adapter's adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16),
+rng_state[_RANK].pth (Python, NumPy, torch, CUDA), trainer_state.json (global step, log history) and finetune_state.json
+(our counters). The data position needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted
+micro-batches are formed from train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between
+optimizer steps, so global_step × accumulation micro-batches into the epoch is the position (the Trainer skips them on
+resume) and the accumulation window starts empty. Every .pt/.pth loads with `torch.load(weights_only=True)`;
+training_args.bin is written by the Trainer (a pickle of TrainingArguments) and never loaded, by us or by the Trainer's
+resume.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def checkpoints_in(output_dir: str) -> list[tuple[int, str]]:
 
 
 def resume_path(train: TrainConfig) -> str | None:
-    """The checkpoint train.resume_from names: auto = the newest complete one in train.output_dir (None: start fresh)."""
+    """The checkpoint train.resume_from names: auto = the newest complete one in train.output_dir (None: fresh)."""
     resume = train.resume_from
     if resume is None:
         return None
@@ -219,7 +220,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.random.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
@@ -285,7 +287,7 @@ def restore_rng_state(checkpoint: str, file_name: str) -> None:
 
 def epoch_seeded(sampler, seed: int):
     """transformers' LengthGroupedSampler draws its order from the global torch generator, whose state at the start of
-    an epoch a resumed run cannot reproduce (pitfall 14); this one draws it from train.seed and the epoch."""
+    an epoch a resumed run cannot reproduce; this one draws it from train.seed and the epoch."""
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     class EpochSeededLengthGroupedSampler(LengthGroupedSampler):

@@ -16,8 +16,8 @@ import math
 import torch
 from torch import nn
 
-from finetune.recipe import OptimConfig, RecipeError
 from finetune.model.freeze import matches_prefix
+from finetune.recipe import OptimConfig, RecipeError, choice_error
 
 NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")
 
@@ -76,7 +76,7 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _trust_ratio(weight_norms: list[torch.Tensor], other_norms: list[torch.Tensor], numerator_coef: float,
                  decay: float) -> torch.Tensor:
-    """coef·‖w‖ / (‖x‖ + decay·‖w‖) per tensor, and 1 where either norm is zero (a zero-initialized weight must move)."""
+    """coef·‖w‖ / (‖x‖ + decay·‖w‖) per tensor, and 1 where either norm is zero (a zero-initialized weight moves)."""
     w, x = torch.stack(weight_norms), torch.stack(other_norms)
     ratio = numerator_coef * w / (x + decay * w)
     return torch.where((w > 0) & (x > 0), ratio, torch.ones_like(ratio))
@@ -204,4 +204,4 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.opti
         return LAMB(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "lars":
         return LARS(groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
-    raise RecipeError(f"optim.name={cfg.name!r} is not one of adamw, sgd, lamb, lars")
+    raise choice_error("optim.name", cfg.name)

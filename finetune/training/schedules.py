@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from finetune.recipe import Config, RecipeError, ScheduleConfig
+from finetune.recipe import Config, RecipeError, ScheduleConfig, choice_error
 
 
 def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -> float:
@@ -27,7 +27,7 @@ def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -
         return lr * ratio
     if rule == "sqrt":
         return lr * math.sqrt(ratio)
-    raise RecipeError(f"optim.lr_scaling={rule!r} is not one of none, linear, sqrt")
+    raise choice_error("optim.lr_scaling", rule)
 
 
 def warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
@@ -92,7 +92,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Sch
         )
     if cfg.name in ("warmup_cosine", "linear", "constant"):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
-    raise RecipeError(f"schedule.name={cfg.name!r} is not one of onecycle, warmup_cosine, linear, constant")
+    raise choice_error("schedule.name", cfg.name)
 
 
 def lr_per_step(total_steps: int, cfg: ScheduleConfig, peak_lr: float) -> list[float]:
