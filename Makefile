@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # with one, take the default (CUDA) build. Override with e.g. `make install TORCH="torch==2.13.0"`.
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: install quickstart test debug clean
+.PHONY: install quickstart test test-fast lint debug clean
 
 install: $(STAMP)
 
@@ -31,6 +31,13 @@ debug: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Leaves out the slow tiers (tests that start processes, use two ranks or train a recipe end to end): minutes, not ten.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not subprocess and not distributed and not e2e"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) outputs wandb .pytest_cache

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+
 def world_size(environ: Mapping[str, str] = os.environ) -> int:
     """Ranks the launcher started; 1 without one."""
     return int(environ.get("WORLD_SIZE", "1"))

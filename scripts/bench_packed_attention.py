@@ -14,6 +14,7 @@ masked / per-sequence (above 1: per-sequence is faster). The machine's load aver
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -62,10 +63,10 @@ def main() -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_causal_mask
 
-    from finetune.model import packed_attention
-    from finetune.recipe import load_config
     from finetune.data.text import load_sft_dataset
+    from finetune.model import packed_attention
     from finetune.model.loading import load_model, load_tokenizer, model_folder
+    from finetune.recipe import load_config
 
     cfg = load_config([f"recipe={ROOT / 'recipes' / 'bench.yaml'}", "log.wandb_mode=disabled"])
     folder = model_folder(cfg.model)
@@ -78,7 +79,7 @@ def main() -> int:
     c = model.config
     print(f"model: Llama hidden {c.hidden_size}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, "
           f"{c.num_hidden_layers} layers, vocab {c.vocab_size}, fp32; CPU, {torch.get_num_threads()} thread(s)")
-    print("load average (1, 5, 15 min) before: %.2f %.2f %.2f" % os.getloadavg())
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
     def model_step(row, implementation):
         model.config._attn_implementation = implementation
@@ -107,7 +108,7 @@ def main() -> int:
         model_times = {impl: [] for impl in ("sdpa", packed_attention.NAME)}
         for _ in range(args.repeats):  # alternating: load changes hit both alike
             for impl in model_times:
-                model_times[impl].append(timed(lambda: model_step(row, impl), 1))
+                model_times[impl].append(timed(lambda row=row, impl=impl: model_step(row, impl), 1))
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, heads, length, head_dim, generator=g, requires_grad=True)
         k = torch.randn(1, kv_heads, length, head_dim, generator=g, requires_grad=True)
@@ -118,10 +119,12 @@ def main() -> int:
                                   past_key_values=None, position_ids=row["position_ids"])
         assert mask is not None and mask.shape[-1] == length
         attn_times = {"sdpa": [], packed_attention.NAME: []}
-        calls = {"sdpa": (sdpa_attention_forward, mask), packed_attention.NAME: (packed_attention.packed_sdpa_attention, None)}
+        calls = {"sdpa": (sdpa_attention_forward, mask),
+                 packed_attention.NAME: (packed_attention.packed_sdpa_attention, None)}
         for _ in range(args.repeats):
             for impl, (fn, m) in calls.items():
-                attn_times[impl].append(timed(lambda: attention_step(fn, q, k, v, m, row), 1))
+                step = functools.partial(attention_step, fn, q, k, v, m, row)
+                attn_times[impl].append(timed(step, 1))
         med = {f"{kind}_{impl}": statistics.median(t) for kind, times in (("model", model_times), ("attn", attn_times))
                for impl, t in times.items()}
         results.append(med)
@@ -136,7 +139,7 @@ def main() -> int:
           f"per-sequence ({total['model_sdpa']:.3f} s vs {total['model_' + name]:.3f} s); attention alone "
           f"{total['attn_sdpa'] / total['attn_' + name]:.2f}× ({total['attn_sdpa'] * 1e3:.0f} ms vs "
           f"{total['attn_' + name] * 1e3:.0f} ms)")
-    print("load average (1, 5, 15 min) after: %.2f %.2f %.2f" % os.getloadavg())
+    print("load average (1, 5, 15 min) after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 
 

@@ -37,8 +37,8 @@ def measure(overrides: list[str]) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from finetune.recipe import load_config
     from finetune.assemble import build
+    from finetune.recipe import load_config
 
     cfg = load_config(overrides)
     trainer = build(cfg)

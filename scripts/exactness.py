@@ -34,7 +34,7 @@ def worst_error(trainer_cls, model_name, micro, accumulation, rows) -> float:
 
 
 def main() -> None:
-    print(f"| model | case | TokenNormTrainer | transformers.Trainer |\n|---|---|---|---|")
+    print("| model | case | TokenNormTrainer | transformers.Trainer |\n|---|---|---|---|")
     for model_name in MODELS:
         for case, (micro, accumulation, rows) in CASES.items():
             ours = worst_error(TokenNormTrainer, model_name, micro, accumulation, rows)

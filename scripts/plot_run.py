@@ -48,7 +48,8 @@ def load_steps(output_dir: str) -> list[dict]:
         history = json.load(open(path))["log_history"]
     except (OSError, ValueError, KeyError) as e:
         raise PlotError(f"{path}: not a trainer_state.json with a log_history ({e})") from None
-    steps = sorted((e for e in history if "loss" in e and "step" in e and "train_loss" not in e), key=lambda e: e["step"])
+    logged = (e for e in history if "loss" in e and "step" in e and "train_loss" not in e)
+    steps = sorted(logged, key=lambda e: e["step"])
     if not steps:
         raise PlotError(f"{path}: no optimizer step was logged yet")
     return steps

@@ -6,7 +6,8 @@ Any recipe key can be overridden as in training. `out` is the PNG to write (defa
 number of data-parallel ranks the run will use (default: $WORLD_SIZE or 1), which sets the accumulation and, for
 epoch-based runs, the number of steps. The run length is train.max_steps, or else it is counted from the tokenized
 dataset exactly as training counts it (the tokenizer and the data are loaded; the model is not). The curve comes from
-the real scheduler (`finetune.training.schedules.lr_per_step`) and shows the LR each optimizer step uses, as training logs it.
+the real scheduler (`finetune.training.schedules.lr_per_step`) and shows the LR each optimizer step uses, as training
+logs it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "padded": [],
     "length_grouped": ["data.batching=length_grouped"],
-    "token_budget": ["data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"],
+    "token_budget": [
+        "data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"
+    ],
     "packed": ["data.batching=packed"],
 }
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
@@ -105,7 +107,9 @@ def reference(mode: str, work: Path, steps: int, rows: int) -> tuple[dict[int, t
     return expected, final, step_time
 
 
-def run_segment(cmd: list[str], out: Path, log: Path, kill: str | None, step_time: float, rng: random.Random) -> Segment:
+def run_segment(
+    cmd: list[str], out: Path, log: Path, kill: str | None, step_time: float, rng: random.Random
+) -> Segment:
     before = checkpoints(out)
     segment = Segment(expected_from=str(before[max(before)]) if before else None)
     proc = start(cmd, log)

@@ -94,7 +94,8 @@ def trainer_window(rows, folder: str, out: str, max_norm: float, sync_each_batch
         out, MICRO, ACCUMULATION, max_grad_norm=max_norm,
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}},
     )
-    trainer = TokenNormTrainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[snapshots])
+    trainer = TokenNormTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                               callbacks=[snapshots])
     trainer.train()
     before, after = snapshots.snapshots[0], snapshots.snapshots[1]
     rank_tokens = sum(sum(t != -100 for t in r["labels"][1:]) for b in collator.batches for r in b)
@@ -122,7 +123,8 @@ def main(out: str, folder: str, rows: int, seed: int, max_norm: float) -> None:
     results = {}
     for sync_each_batch in (False, True):
         results[("torch", sync_each_batch)] = torch_window(data, max_norm, sync_each_batch)
-        results[("trainer", sync_each_batch)] = trainer_window(data, folder, f"{out}.trainer", max_norm, sync_each_batch)
+        results[("trainer", sync_each_batch)] = trainer_window(data, folder, f"{out}.trainer", max_norm,
+                                                               sync_each_batch)
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()

@@ -16,8 +16,8 @@ import sys
 from transformers import TrainerCallback
 
 import finetune.tools.train
-from finetune.training import checkpoints
 from finetune.recipe_trainer import RecipeTrainer
+from finetune.training import checkpoints
 
 
 def die() -> None:

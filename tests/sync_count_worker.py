@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from transformers import TrainerCallback
 
-from finetune.recipe import load_config
-from finetune.env import exit_process
 from finetune.assemble import build
+from finetune.env import exit_process
+from finetune.recipe import load_config
 
 
 class CommunicationLog(TrainerCallback):

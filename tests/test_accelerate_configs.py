@@ -1,5 +1,5 @@
-"""accelerate_configs/*.yaml and finetune.training.distributed.check_launch: what `accelerate launch` hands each rank, read
-with accelerate's own launch code (no process started), against the recipe. In-process and fast, except the last
+"""accelerate_configs/*.yaml and finetune.training.distributed.check_launch: what `accelerate launch` hands each rank,
+read with accelerate's own launch code (no process started), against the recipe. In-process and fast, except the last
 test, which launches 2 CPU ranks to see the error arrive as one line."""
 
 import json
@@ -23,7 +23,11 @@ ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 def launch_env(name: str, num_processes: int, *flags: str) -> dict[str, str]:
     """The environment `accelerate launch --config_file accelerate_configs/NAME.yaml` gives every rank."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     argv = ["--config_file", str(CONFIGS / f"{name}.yaml"), "--num_processes", str(num_processes), *flags, "x.py"]
     args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
@@ -68,7 +72,8 @@ def test_deepspeed_batch_and_clipping_come_from_the_recipe(name, monkeypatch):
         monkeypatch.setenv(key, value)
     plugin = DeepSpeedPlugin()
     ds = plugin.deepspeed_config
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
         assert ds[key] == "auto", key
     assert "optimizer" not in ds and "scheduler" not in ds
     stage = 3 if name == "zero3" else 2
@@ -168,7 +173,8 @@ def test_sync_each_batch_reaches_the_accelerator():
     from transformers import TrainingArguments
 
     cfg = load_config([*DEBUG, "train.sync_each_batch=true"])
-    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], accelerator_config=accelerator_config(cfg))
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
+                             accelerator_config=accelerator_config(cfg))
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
 

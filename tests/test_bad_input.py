@@ -73,7 +73,8 @@ CASES = [
      r"^error: data\.batching='pack' is not one of padded, length_grouped, token_budget, packed; did you mean "
      r"'packed'\?$"),
     ("missing recipe", lambda t: ["recipe=recipes/nope.yaml"], {},
-     r"^error: recipe file 'recipes/nope\.yaml' not found; pass recipe=PATH to an existing YAML file \(see recipes/\)$"),
+     r"^error: recipe file 'recipes/nope\.yaml' not found; pass recipe=PATH to an existing YAML file "
+     r"\(see recipes/\)$"),
     ("recipe that is not YAML", lambda t: [f"recipe={write_jsonl(t / 'r.yaml', ['model: [unclosed'])}"], {},
      r"^error: \S+r\.yaml: not valid YAML \(.+\); fix the file$"),
     ("missing data file", lambda t: [f"data.source={t / 'nope.jsonl'}"], {},
@@ -87,8 +88,8 @@ CASES = [
      lambda t: [f"data.source={write_jsonl(t / 'd.jsonl', [chat('only a question'), chat('another')])}"], {},
      r"^error: data\.source=\S+d\.jsonl: no rows left \(.*2 dropped without targets.*\)$"),
     ("over-length row", lambda t: ["data.truncation=error", "data.max_length=16"], {},
-     r"^error: \S+stdlib_docs\S*\.jsonl line 1: \d+ tokens, longer than data\.max_length=16; raise data\.max_length or set "
-     r"data\.truncation=right \(cut\) or drop$"),
+     r"^error: \S+stdlib_docs\S*\.jsonl line 1: \d+ tokens, longer than data\.max_length=16; raise "
+     r"data\.max_length or set data\.truncation=right \(cut\) or drop$"),
     ("missing image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'gone.png')}"], {},
      r"^error: \S+images\.jsonl line 1: image 1 of 1: image \S+gone\.png not found \(data\.on_bad_row=skip"),
     ("corrupt image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'bad.png')}"], {},
@@ -142,8 +143,8 @@ def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra
 
 def test_space_check_on_a_rank_whose_output_dir_is_not_made_yet(tmp_path, monkeypatch):
     """Rank 0 alone probes (and removes again) a new train.output_dir; other ranks check space on its nearest parent."""
-    from finetune.training import lifecycle
     from finetune.recipe import RecipeError
+    from finetune.training import lifecycle
 
     model = torch.nn.Linear(256, 256)  # 257 KiB of weights, 514 KiB of AdamW state
     lifecycle.check_space(str(tmp_path / "not" / "yet"), model)  # no error: the folder is not there

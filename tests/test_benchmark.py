@@ -43,7 +43,7 @@ def test_quick_run_writes_every_arm(tmp_path):
     assert results["padded"]["timed_computed_tokens"] == results["hf_padded"]["timed_computed_tokens"]
     # the memory target's second run: the packed micro-batch alone
     assert results["packed"]["peak_mem_mb_accumulation_1"] > 0
-    # tiny: SmolLM2's config (head_dim 64, tied embedding) with hidden 64, 4 query / 2 key-value heads, MLP 128, 2 layers
+    # tiny: SmolLM2's config (head_dim 64, tied embedding), hidden 64, 4 query / 2 key-value heads, MLP 128, 2 layers
     layer = 64 * 4 * 64 * 2 + 64 * 2 * 64 * 2 + 3 * 64 * 128 + 2 * 64  # q and o, k and v, MLP, two norms
     tiny_parameters = 49152 * 64 + 2 * layer + 64
     assert results["packed"]["gradient_mb"] == pytest.approx(tiny_parameters * 4 / 2**20)

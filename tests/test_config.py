@@ -29,7 +29,8 @@ def test_accumulation_is_derived_from_the_global_batch():
     cfg = load_config([f"recipe={DEBUG}", "train.global_batch_size=96", "train.micro_batch_size=4"])
     assert accumulation_steps(cfg, ranks=1) == 24
     assert accumulation_steps(cfg, ranks=8) == 3
-    with pytest.raises(RecipeError, match=r"train.global_batch_size=96 is not divisible by train.micro_batch_size=5 × 8 ranks = 40"):
+    with pytest.raises(RecipeError, match=r"train.global_batch_size=96 is not divisible by "
+                                          r"train.micro_batch_size=5 × 8 ranks = 40"):
         cfg.train.micro_batch_size = 5
         accumulation_steps(cfg, ranks=8)
 

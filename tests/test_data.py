@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from finetune import env
 from finetune.data import stdlib_docs
-from finetune.recipe import DataConfig, RecipeError
-from finetune.data.text import load_sft_dataset
 from finetune.data.sources import DataReport
+from finetune.data.text import load_sft_dataset
+from finetune.recipe import DataConfig, RecipeError
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOT = "<|im_end|>"

@@ -11,8 +11,8 @@ import torch
 
 from finetune import TokenNormTrainer
 from tests.reference import reference_gradient, relative_error
-from tests.toy import ragged_rows, tiny_llama
 from tests.test_trainer import train_recording
+from tests.toy import ragged_rows, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,8 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
 
     initial = tiny_llama()
     data = ragged_rows(rows, seed)
-    _, _, one = train_recording(TokenNormTrainer, copy.deepcopy(initial), data, tmp_path / "one", micro, accumulation * 2)
+    _, _, one = train_recording(TokenNormTrainer, copy.deepcopy(initial), data, tmp_path / "one", micro,
+                                accumulation * 2)
     grads, ref_loss = reference_gradient(initial, data)
     applied_two = {n: two["snapshots"][0][n] - two["snapshots"][1][n] for n in grads}
     applied_one = {n: one[0][n] - one[1][n] for n in grads}

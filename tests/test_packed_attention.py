@@ -160,8 +160,8 @@ def test_sliding_window_models_keep_sdpa():
 
 
 def test_build_uses_it_for_packed_batching_only(tmp_path, capsys):
-    from finetune.recipe import load_config
     from finetune.assemble import build
+    from finetune.recipe import load_config
 
     common = ["recipe=recipes/debug.yaml", "data.limit=8", "data.max_length=64", "log.wandb_mode=disabled"]
     for batching, expected in (("packed", NAME), ("padded", "sdpa")):

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
+from finetune.recipe import RecipeError, load_config
 from finetune.tools import memory_trials
 from finetune.tools import plan as planner
-from finetune.recipe import RecipeError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = "recipe=recipes/debug.yaml"
@@ -127,8 +127,8 @@ def test_auto_micro_batch_in_training(tmp_path):
                   "train.global_batch_size=16", "train.max_steps=1", f"train.output_dir={out}"])
     assert result.returncode == 0, result.stderr[-3000:]
     chosen = int(re.search(r"train.micro_batch_size=auto → (\d+)", result.stdout).group(1))
-    micro, accumulation = map(int, re.search(r"effective batch 16 sequences = micro (\d+) × accumulation (\d+) × 1 rank",
-                                             result.stdout).groups())
+    startup = r"effective batch 16 sequences = micro (\d+) × accumulation (\d+) × 1 rank"
+    micro, accumulation = map(int, re.search(startup, result.stdout).groups())
     assert micro == chosen and micro * accumulation == 16
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["micro_batch_size"] == chosen
 

@@ -20,15 +20,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.training import checkpoints
 from finetune.recipe import RecipeError, TrainConfig, load_config
+from finetune.training import checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=4", "log.wandb_mode=disabled"]
+COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=4",
+          "log.wandb_mode=disabled"]
 MODES = {
     "padded": [],
     "length_grouped": ["data.batching=length_grouped"],
-    "token_budget": ["data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"],
+    "token_budget": [
+        "data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"
+    ],
     "packed": ["data.batching=packed"],
     "padded+lora": ["model.lora.enabled=true", "optim.lr=1e-2"],  # adapter_model.safetensors, PEFT's own loading
 }

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from finetune.recipe import RecipeError, ScheduleConfig, load_config
-from finetune.training.schedules import (build_scheduler, check_schedule, describe_batch_and_lr, lr_per_step, peak_lr,
-                                scaled_lr, startup_line)
+from finetune.training.schedules import (
+    build_scheduler,
+    check_schedule,
+    describe_batch_and_lr,
+    lr_per_step,
+    peak_lr,
+    scaled_lr,
+    startup_line,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
@@ -114,7 +121,8 @@ def test_scaling_rules_arithmetic():
 
 def test_start_up_line():
     line = describe_batch_and_lr(8, 16, 8, 1e-4, scaled_lr(1e-4, 1024, "linear", 256), "linear", 256, 1024)
-    assert line == "effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 (linear rule, base 256)"
+    assert line == ("effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 "
+                    "(linear rule, base 256)")
     line = describe_batch_and_lr("4096 tokens", 4, 2, 3e-4, scaled_lr(3e-4, 32768, "sqrt", 8192), "sqrt", 8192, 32768,
                                  "tokens")
     assert line == ("effective batch 32768 tokens = micro 4096 tokens × accumulation 4 × 2 ranks; lr 3e-4 → 6e-4 "

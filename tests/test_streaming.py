@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.recipe import DataConfig, RecipeError, load_config
-from finetune.data.text import load_sft_dataset
 from finetune.data.streaming import SHUFFLE_BUFFER, stream_sft_dataset
+from finetune.data.text import load_sft_dataset
+from finetune.recipe import DataConfig, RecipeError, load_config
 from tests.test_data import chat, smollm2_folder, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,8 @@ def rows_of(dataset):
 
 
 def test_streamed_rows_equal_the_in_memory_rows(tok, tmp_path):
-    rows = [chat(f"q{k}?", "answer " * (k % 20 + 1)) for k in range(40)] + [{"messages": [{"role": "user", "content": "x"}]}]
+    rows = [chat(f"q{k}?", "answer " * (k % 20 + 1)) for k in range(40)]
+    rows += [{"messages": [{"role": "user", "content": "x"}]}]
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     data = DataConfig(source=str(path), max_length=50)
     memory, report = load_sft_dataset(data, tok)

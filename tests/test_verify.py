@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.tools import verify
 from finetune.recipe import RecipeError, load_config
+from finetune.tools import verify
 from finetune.tools.reference_check import group_of
 
 ROOT = Path(__file__).resolve().parents[1]

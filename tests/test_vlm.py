@@ -11,15 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoTokenizer, DataCollatorForSeq2Seq, LlamaConfig, LlavaConfig,
-                          LlavaForConditionalGeneration, SiglipVisionConfig, Trainer)
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    SiglipVisionConfig,
+    Trainer,
+)
 
 from finetune import TokenNormTrainer
 from finetune.data import shapes_captions
-from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
 from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
 from finetune.model.llava import IMAGE_TOKEN, image_tokenizer, llava_processor
 from finetune.model.vlm import is_vlm, prepare_vlm
+from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
 from tests.reference import reference_gradient, relative_error
 from tests.test_data import smollm2_folder, write_jsonl
 from tests.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
@@ -506,8 +513,8 @@ def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_pat
 
     from safetensors.torch import load_file
 
-    from finetune.model.loading import model_folder
     from finetune.model.llava import assembled_folder
+    from finetune.model.loading import model_folder
 
     cfg = load_config(["recipe=recipes/vlm.yaml"]).model
     base = load_file(assembled_folder(cfg, model_folder(cfg)) / "model.safetensors")

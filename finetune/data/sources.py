@@ -3,8 +3,8 @@
 Sources: `stdlib_docs` (built in, see finetune/data/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
 them (sorted, hidden files skipped); otherwise a hub dataset id. `data.limit` counts raw rows, bad ones included.
 `DataReport` holds what loading read, kept, dropped and skipped; `BadRow` is a row that cannot be used, and
-`reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (finetune/data/text.py),
-streaming (finetune/data/streaming.py) and image rows (finetune/data/vision.py) all read and count through this module.
+`reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (text.py), streaming
+(streaming.py) and image rows (vision.py) all read and count through this module.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Files are read line by line (jsonl), batch by batch (parquet) or row by row (csv); a hub id goes through
 `datasets.load_dataset(..., streaming=True)`. Every row goes through the same functions as the in-memory path
-(`finetune/data/text.py`: chat template, label spans, data.max_length/truncation; `finetune/data/sources.py`: data.on_bad_row),
+(text.py: chat template, label spans, data.max_length/truncation; sources.py: data.on_bad_row),
 so a streamed row is exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs
 `train.max_steps`, and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted
 packing) do not apply.
@@ -40,7 +40,8 @@ def _file_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[
         with open(path, "rb") as f:
             if kind == "json" and f.read(64).lstrip().startswith(b"["):
                 raise RecipeError(
-                    f"{path}: a JSON array cannot be streamed; write it as JSON lines (.jsonl) or set data.streaming=false"
+                    f"{path}: a JSON array cannot be streamed; write it as JSON lines (.jsonl) or set "
+                    "data.streaming=false"
                 )
             f.seek(0)
             yield from json_line_records(path, f, data, report)

@@ -95,7 +95,8 @@ def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's raise_exception: e.g. roles that do not alternate
-        raise BadRow(f"the chat template refuses it ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadRow(f"the chat template refuses it ({why})") from None
 
 
 def _chat_labels(ids: list[int], prefix_ids: list[list[int]], turn_ids: list[list[int]], blank) -> list[int]:

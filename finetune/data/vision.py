@@ -57,7 +57,8 @@ def open_image(ref: Any, base: Path | None = None):
         with Image.open(source) as image:
             return image.convert("RGB")  # decodes now: a truncated or corrupt file fails here, naming its row
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise BadRow(f"image {name} cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadRow(f"image {name} cannot be read ({why})") from None
 
 
 def stored_image(ref: Any, image, base: Path | None) -> dict:
@@ -152,7 +153,7 @@ def encode_row(processor, messages: list[dict], images: list, loss_on: str, blan
         try:
             out = processor(text=[text], images=images[:count] or None, add_special_tokens=False)
         except (ValueError, TypeError) as e:
-            raise BadRow(f"the processor refuses it ({str(e).splitlines()[0]})")
+            raise BadRow(f"the processor refuses it ({str(e).splitlines()[0]})") from None
         encoded.append(list(out["input_ids"][0]))
     return row_labels("messages", loss_on, encoded, blank)
 

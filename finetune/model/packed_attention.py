@@ -4,9 +4,9 @@ A packed row (`data.batching: packed`) holds several sequences whose position_id
 transformers builds a block-diagonal causal mask from the position_ids and attends over the whole row: T_row² work per
 head and layer, most of it masked out, and a masked call that cannot use sdpa's fused causal kernels. `packed_sdpa`
 (registered in transformers' AttentionInterface) attends within each sequence instead: Σ T_i² work, no mask, the same
-numbers. `finetune.assemble.build` switches a text model from `sdpa` to it when `data.batching` is packed, after checking
-on a small packed probe that its logits equal sdpa's (a start-up line says which ran). flash_attention_2 (CUDA) runs
-varlen on packed rows already and is left alone; any other implementation is left alone too.
+numbers. `finetune.assemble.build` switches a text model from `sdpa` to it when `data.batching` is packed, after
+checking on a small packed probe that its logits equal sdpa's (a start-up line says which ran). flash_attention_2
+(CUDA) runs varlen on packed rows already and is left alone; any other implementation is left alone too.
 
 Where it applies: its mask function returns no mask only for a causal call without a padding mask, sliding window,
 chunk, overlay or KV-cache offset (a plain or a packed row); every other call gets sdpa's mask and runs as sdpa.

@@ -11,11 +11,11 @@ import re
 
 import torch
 
-from finetune.recipe import Config, ModelConfig, RecipeError
+from finetune.env import is_main_process
 from finetune.model.freeze import freeze
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
-from finetune.env import is_main_process
+from finetune.recipe import Config, ModelConfig, RecipeError
 
 SHAPES = "shapes_captions"
 

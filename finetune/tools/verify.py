@@ -173,8 +173,8 @@ def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int
     worst_weight = max(weight_deviation(c) for c in checks)
     passed = worst <= tolerance and worst_weight <= weight_tolerance
     lines.append(f"verify: {'PASS' if passed else 'FAIL'}: largest relative error {worst:.2e} (tolerance "
-                 f"{tolerance:g}), largest micro-batch weight deviation {worst_weight:.1e} (tolerance {weight_tolerance:g}) over "
-                 f"{len(checks)} step{'s' if len(checks) != 1 else ''}, {precision}")
+                 f"{tolerance:g}), largest micro-batch weight deviation {worst_weight:.1e} (tolerance "
+                 f"{weight_tolerance:g}) over {len(checks)} step{'s' if len(checks) != 1 else ''}, {precision}")
     return "\n".join(lines), passed
 
 

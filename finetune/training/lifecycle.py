@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from finetune.training.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
 from finetune.env import is_main_process, launch_kind, world_size
 from finetune.recipe import RecipeError, TrainConfig
+from finetune.training.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
 
 # ---- before training ----
 
