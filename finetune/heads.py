@@ -20,13 +20,37 @@ from transformers.trainer_utils import unwrap_peft_model
 from finetune.loss import CAUSAL_LM, SEQ2SEQ, TOKEN
 
 
+def _registered_loss_types() -> dict[str, str]:
+    """Class name → loss type for the classes transformers' Auto mappings register as causal LM, masked LM, token
+    classification, seq2seq or image/speech-to-text heads (GPT2LMHeadModel has no loss type in its name)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    registered = {}
+    for mapping, loss_type in (
+        (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "ForCausalLM"),
+        (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "ForConditionalGeneration"),
+        (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "ForConditionalGeneration"),
+        (auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, "ForConditionalGeneration"),
+        (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "ForMaskedLM"),
+        (auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, "ForTokenClassification"),
+    ):
+        for names in mapping.values():
+            for name in (names,) if isinstance(names, str) else names:
+                registered.setdefault(name, loss_type)
+    return registered
+
+
 def loss_type_of(model: torch.nn.Module) -> str | None:
-    """The model's `loss_type`; where transformers found none in the class name (a user's subclass such as
-    `MyLlama(LlamaForCausalLM)`), the first base class whose name holds one, as transformers matches names."""
+    """The model's `loss_type`; where transformers found none in the class name, the first class of its MRO that the
+    Auto mappings register as a language-model head (GPT2LMHeadModel) or whose name holds a loss type (a user's
+    subclass such as `MyLlama(LlamaForCausalLM)`). None for anything else (regression models, plain modules)."""
     loss_type = getattr(model, "loss_type", None)
     if loss_type in LOSS_MAPPING:
         return loss_type
+    registered = _registered_loss_types()
     for cls in type(model).__mro__:
+        if cls.__name__ in registered:
+            return registered[cls.__name__]
         found = re.findall(f"({'|'.join(LOSS_MAPPING)})", cls.__name__)
         if found:
             return found[0]

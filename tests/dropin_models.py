@@ -49,6 +49,16 @@ def tiny_t5(seed: int = 0):
     return T5ForConditionalGeneration(config)
 
 
+def tiny_gpt2(seed: int = 0):
+    """A causal LM whose class name holds no loss type: transformers' Auto mappings say what it is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
 def tagged_rows(n: int, seed: int = 0) -> list[dict]:
     """Token classification: a tag per token, -100 on some (sub-word continuations, say)."""
     rng = random.Random(seed)
@@ -119,6 +129,7 @@ class Kind:
 
 KINDS = {
     "causal_lm": Kind(tiny_llama, ragged_rows, logits_alone, True, "causal_lm"),
+    "gpt2": Kind(tiny_gpt2, ragged_rows, logits_alone, True, "causal_lm"),
     "mean_loss_module": Kind(MeanLossLM, ragged_rows, lambda m, s: m(torch.as_tensor(s["input_ids"])[None])["logits"],
                              True, "causal_lm"),
     "token_classification": Kind(tiny_token_classifier, tagged_rows, logits_alone, False, "token"),

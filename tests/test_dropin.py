@@ -51,7 +51,7 @@ def window_errors(initial, windows, snapshots, **reference):
     return errors
 
 
-@pytest.mark.parametrize("name", ["token_classification", "masked_lm", "seq2seq"])
+@pytest.mark.parametrize("name", ["gpt2", "token_classification", "masked_lm", "seq2seq"])
 def test_each_loss_kind_is_exact_under_accumulation_and_equals_trainer_on_one_batch(name, tmp_path):
     kind = KINDS[name]
     initial, rows = kind.model(), kind.rows(10, 4)
