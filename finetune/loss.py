@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from finetune.labels import IGNORE_INDEX
 
 CAUSAL_LM, TOKEN, SEQ2SEQ = "causal_lm", "token", "seq2seq"
 LOSS_KINDS = (CAUSAL_LM, TOKEN, SEQ2SEQ)
