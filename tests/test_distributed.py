@@ -24,11 +24,13 @@ def torchrun(script_args: list[str], nproc: int = 2) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[:8000]
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_two_ranks_equal_one_process_full_batch(tmp_path):
     micro, accumulation, seed = 2, 3, 21
     rows = micro * accumulation * 2  # one window: every row, split across the two ranks
     out = str(tmp_path / "two_ranks.pt")
-    torchrun(["tests/dist_worker.py", out, str(micro), str(accumulation), str(rows), str(seed)])
+    torchrun(["tests/workers/dist_worker.py", out, str(micro), str(accumulation), str(rows), str(seed)])
     two = torch.load(out, weights_only=True)
     tokens = two["rank_label_tokens"]
     assert tokens[0] != tokens[1], "the test needs uneven token counts per rank"
@@ -48,25 +50,11 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
     assert logged["window_label_tokens"] == sum(tokens)
 
 
-EXIT_SCRIPT = """
-import atexit, sys
-from finetune.env import exit_process
-
-class Held:
-    def __del__(self):
-        print("torn down", flush=True)
-
-held = Held()  # a module global: freed only by the interpreter's teardown
-atexit.register(lambda: print("exit handlers ran"))
-print("unflushed", end="")
-exit_process(int(sys.argv[1]))
-"""
-
-
+@pytest.mark.subprocess
 @pytest.mark.parametrize("world_size, torn_down", [("2", False), ("1", True)])
 def test_a_launched_rank_exits_with_its_code_after_the_exit_handlers_and_without_teardown(world_size, torn_down):
-    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, "3"], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
+    result = subprocess.run([sys.executable, "tests/workers/exit_worker.py", "3"], cwd=ROOT, capture_output=True,
+                            text=True, env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
     assert result.returncode == 3
     assert result.stdout.startswith("unflushed") and "exit handlers ran" in result.stdout
     assert ("torn down" in result.stdout) is torn_down

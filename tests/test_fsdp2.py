@@ -1,10 +1,9 @@
 """FSDP2 (`fully_shard`, 2 CPU ranks on gloo) keeps the window's token normalization and the global-norm clip exact.
 
-One launch (tests/fsdp2_worker.py) runs four one-window trainings on the same 12 ragged rows, uneven label tokens per
-rank: by hand through torch, and through TokenNormTrainer on a model sharded at load time by transformers; each with
-gradients reduced once per window and after every micro-batch (train.sync_each_batch). Every applied update (SGD,
-lr 1) must equal the clipped float64 token-mean gradient of the whole window, computed one sequence at a time.
-"""
+One launch (tests/workers/fsdp2_worker.py) runs four one-window trainings on the same 12 ragged rows, uneven label
+tokens per rank: by hand through torch, and through TokenNormTrainer on a model sharded at load time by transformers;
+each with gradients reduced once per window and after every micro-batch (train.sync_each_batch). Every applied update
+(SGD, lr 1) must equal the clipped float64 token-mean gradient of the whole window, computed one sequence at a time."""
 
 import os
 import subprocess
@@ -18,6 +17,7 @@ from tests.reference import reference_gradient, relative_error
 from tests.toy import ragged_rows, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch
 ROWS, SEED = 12, 21  # 2 ranks × 3 micro-batches × 2 rows: one window holds every row
 MAX_NORM = 0.25  # well below the window's gradient norm (~0.9), so the clip is active
 
@@ -34,7 +34,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     tiny_llama().save_pretrained(tmp / "tiny")  # the trainer path loads it sharded; same weights as tiny_llama()
     out = tmp / "results.pt"
-    torchrun_standalone(["tests/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED), str(MAX_NORM)])
+    torchrun_standalone(["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED),
+                         str(MAX_NORM)])
     return torch.load(out, weights_only=False)
 
 

@@ -46,6 +46,7 @@ def step_logs(folder: Path) -> list[dict]:
     return [e for e in history if "loss" in e and "grad_norm" in e]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["loss", "grad"])
 def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path):
     from finetune.tools.train import train
@@ -69,6 +70,7 @@ def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path)
     assert json.loads((tmp_path / "checkpoint-3" / "finetune_state.json").read_text())["nonfinite_skipped"] == 1
 
 
+@pytest.mark.e2e
 def test_stop_exits_3_with_one_line_naming_the_step_and_saves_nothing_new(poison, tmp_path, capsys):
     from finetune.tools.train import main
 

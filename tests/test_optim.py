@@ -178,45 +178,8 @@ def test_torch_optimizers_get_the_same_groups(name, cls):
     assert decays == [(0.0, 4), (0.1, 3)]  # biases and the LayerNorm: no decay; the three weight matrices: decay
 
 
-FSDP2_WORKER = '''
-import json, sys, torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from finetune.recipe import OptimConfig
-from finetune.training.optim import build_optimizer
-from finetune.env import exit_process
-
-def run(model, name):
-    optimizer = build_optimizer(model, OptimConfig(name=name, weight_decay=0.01, trust_coefficient=0.02), 0.05)
-    for step in range(5):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)  # the same batch on every rank
-        optimizer.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        optimizer.step()
-    return {n: getattr(p, "full_tensor", lambda: p)().detach() for n, p in model.named_parameters()}
-
-def make():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-
-dist.init_process_group("gloo")
-errors = {}
-for name in ("lamb", "lars"):
-    plain, sharded = run(make(), name), make()
-    for layer in sharded:
-        fully_shard(layer)
-    fully_shard(sharded)
-    got = run(sharded, name)
-    errors[name] = max((got[n] - plain[n]).abs().max().item() for n in plain)
-if dist.get_rank() == 0:
-    open(sys.argv[1], "w").write(json.dumps(errors))
-dist.barrier()  # leave together: a rank whose peer has gone can abort in gloo's teardown
-dist.destroy_process_group()
-exit_process(0)  # no object teardown: see finetune.env.exit_process
-'''
-
-
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_fsdp2_sharded_parameters_get_full_tensor_trust_ratios(tmp_path):
     """Under FSDP2 each rank holds a shard; the norms (foreach over DTensors) must be those of the whole tensor."""
     import json
@@ -225,8 +188,7 @@ def test_fsdp2_sharded_parameters_get_full_tensor_trust_ratios(tmp_path):
     import sys
     from pathlib import Path
 
-    worker, result = tmp_path / "worker.py", tmp_path / "errors.json"
-    worker.write_text(FSDP2_WORKER)
+    worker, result = Path(__file__).parent / "workers" / "fsdp2_optim_worker.py", tmp_path / "errors.json"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(result)],
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)

@@ -121,6 +121,7 @@ def test_gpu_search_treats_out_of_memory_as_not_fitting():
     assert planner.plan(cfg, 1, headroom=0.1, memory_gib=1.9, trials=GpuLikeTrials()).value == 6
 
 
+@pytest.mark.subprocess
 def test_auto_micro_batch_in_training(tmp_path):
     out = tmp_path / "auto"
     result = run([sys.executable, "finetune/train.py", DEBUG, "train.micro_batch_size=auto",
@@ -133,6 +134,7 @@ def test_auto_micro_batch_in_training(tmp_path):
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["micro_batch_size"] == chosen
 
 
+@pytest.mark.subprocess
 def test_recipe_errors():
     for args in (["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"]):
         trained = run([sys.executable, "finetune/train.py", *args])

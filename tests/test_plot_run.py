@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from finetune.tools import train
 
@@ -23,6 +24,8 @@ def read_png(path):
     return matplotlib.image.imread(path)
 
 
+@pytest.mark.e2e
+@pytest.mark.subprocess
 def test_a_real_debug_run_plots_its_four_series(tmp_path):
     out = tmp_path / "run"
     assert train.main(["recipe=recipes/debug.yaml", "train.max_steps=3", f"train.output_dir={out}"]) == 0

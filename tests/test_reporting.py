@@ -27,6 +27,7 @@ def run_debug(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.subprocess
 def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path):
     out = tmp_path / "run"
     # a peak of 1 TFLOP/s makes the MFU series exist on a CPU
@@ -58,6 +59,7 @@ def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path):
         assert f"  {row} " in result.stdout
 
 
+@pytest.mark.subprocess
 def test_mfu_is_real_tokens_times_model_flops_over_peak(tmp_path):
     out = tmp_path / "mfu"
     run_debug(out, "log.peak_tflops=0.5", "train.max_steps=2")
@@ -95,6 +97,7 @@ def test_batch_counts_for_padded_and_packed_batches():
     assert batch_counts(padded) == [targets, total, 5 * width, 5]
 
 
+@pytest.mark.subprocess
 def test_profile_steps_write_a_table_and_a_trace(tmp_path):
     out = tmp_path / "prof"
     result = run_debug(out, "train.profile_steps=[2,3]")

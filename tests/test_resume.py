@@ -72,6 +72,7 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.mark.e2e
 def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(reference):
     out = reference("padded")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [f"checkpoint-{k}" for k in
@@ -97,6 +98,7 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
                                                                "micro_batches_per_step": 2, "items_per_micro_batch": 4}}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "mode, start",
     [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3), ("padded+lora", 3)],  # 2: epoch end
@@ -115,6 +117,7 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
 
 
+@pytest.mark.e2e
 def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tmp_path):
     from finetune.tools.train import train
 
@@ -128,6 +131,7 @@ def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tm
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.e2e
 def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
     from finetune import recipe_trainer as trainer_module
     from finetune.assemble import build
@@ -144,11 +148,13 @@ def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(refer
 
 
 def worker(kill_at: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "tests/resume_worker.py", kill_at, *COMMON, "train.save_steps=1", f"train.output_dir={out}",
-           "train.resume_from=auto", *extra]
+    cmd = [sys.executable, "tests/workers/resume_worker.py", kill_at, *COMMON, "train.save_steps=1",
+           f"train.output_dir={out}", "train.resume_from=auto", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.e2e
+@pytest.mark.subprocess
 def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path):
     out = tmp_path / "killed"
     first = worker("window:2", out)  # SIGKILL inside step 2's window: checkpoint-1 is the newest
@@ -179,6 +185,8 @@ def run_until_signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int,
     return proc.wait(timeout=600), "".join(lines)
 
 
+@pytest.mark.e2e
+@pytest.mark.subprocess
 def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(reference, tmp_path):
     out = tmp_path / "signalled"
     argv = [*COMMON, f"train.output_dir={out}"]  # no train.save_steps: only the signal makes a checkpoint
@@ -198,6 +206,7 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
     assert_same_run(out, reference("padded"))
 
 
+@pytest.mark.subprocess
 def test_soak_quick_resumes_every_kill_identically():
     result = subprocess.run([sys.executable, "scripts/soak_resume.py", "--quick", "--seed", "1"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True, timeout=900)

@@ -154,6 +154,8 @@ def logged(output_dir):
     return state, [e["learning_rate"] for e in steps], [e["step"] for e in steps]
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_step(tmp_path):
     """64 rows, global batch 16 = micro 4 × accumulation 2 × 2 ranks: 4 optimizer steps per epoch, 2 epochs → 8."""
     out = tmp_path / "two"
@@ -172,6 +174,7 @@ def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_st
     assert_close_all(lrs, torch_onecycle_lrs(8, 2e-3, ScheduleConfig(name="onecycle", pct_start=0.3)))
 
 
+@pytest.mark.subprocess
 def test_warmup_cosine_with_accumulation_through_the_script(tmp_path):
     out = tmp_path / "one"
     cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=2, warmup="quadratic", min_lr_ratio=0.1)
@@ -230,6 +233,7 @@ CLI_BAD = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv,message", CLI_BAD, ids=[m[:32] for _, m in CLI_BAD])
 def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_path):
     out = tmp_path / "out"
@@ -241,6 +245,7 @@ def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_pa
     assert not out.exists() or not any(out.iterdir())  # nothing written (train.py may probe the folder first)
 
 
+@pytest.mark.subprocess
 def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
     """An epoch-based run: 64 rows / (micro 4 × 2 ranks × accumulation 2) = 4 steps per epoch, 3 epochs."""
     png = tmp_path / "lr.png"

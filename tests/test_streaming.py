@@ -81,6 +81,7 @@ def test_streaming_needs_max_steps_and_a_length_free_batching():
     load_config([*base, "data.batching=packed"])
 
 
+@pytest.mark.subprocess
 def test_streaming_recipe_trains_end_to_end(tmp_path):
     out = tmp_path / "s"
     result = subprocess.run(

@@ -26,6 +26,7 @@ def step_logs(output_dir):
     return [e for e in state["log_history"] if "loss" in e and "train_loss" not in e]
 
 
+@pytest.mark.subprocess
 def test_debug_recipe_end_to_end(tmp_path):
     out = tmp_path / "debug"
     result = run([sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", f"train.output_dir={out}"])
@@ -43,6 +44,8 @@ def test_debug_recipe_end_to_end(tmp_path):
     assert model.config.hidden_size == 64
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
     """The same recipe on 1 and on 2 CPU ranks (real DDP on gloo): same per-step loss and final weights."""
     common = ["recipe=recipes/debug.yaml", "train.max_steps=3", "optim.name=sgd", "optim.lr=0.5"]
@@ -63,6 +66,7 @@ def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.subprocess
 def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(tmp_path):
     """SmolLM2-135M-Instruct from the GGUF, two short steps, W&B offline; then reload and chat."""
     out = tmp_path / "quick"

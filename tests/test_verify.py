@@ -33,6 +33,7 @@ def run(cmd, env=None):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.e2e
 def test_passes_on_the_debug_recipe_with_clipping(capsys):
     code = verify.main([DEBUG, "verify.steps=2"])
     out = capsys.readouterr().out
@@ -46,6 +47,7 @@ def test_passes_on_the_debug_recipe_with_clipping(capsys):
     assert "verify: PASS" in out
 
 
+@pytest.mark.e2e
 def test_bf16_passes_within_its_documented_tolerance(capsys):
     code = verify.main([DEBUG, "train.precision=bf16"])
     out = capsys.readouterr().out
@@ -55,6 +57,7 @@ def test_bf16_passes_within_its_documented_tolerance(capsys):
     assert all(abs(w - 1) <= verify.WEIGHT_TOLERANCES["bf16"] for w in weights_in(out)[0])
 
 
+@pytest.mark.e2e
 def test_passes_on_packed_budgeted_rows_with_lora(capsys):
     """Packed rows are split back into their sequences; only the LoRA parameters are compared."""
     code = verify.main([DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=256",
@@ -66,6 +69,7 @@ def test_passes_on_packed_budgeted_rows_with_lora(capsys):
     assert groups == ["model.layers.0", "model.layers.1"]  # q_proj/v_proj LoRA weights only
 
 
+@pytest.mark.e2e
 def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     """A check that can fail: the classic bug (mean of micro-batch means) is reported far above tolerance."""
     import finetune.recipe_trainer
@@ -88,6 +92,7 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     assert len(weights) == 2 and min(weights) < 0.95 and max(weights) > 1.05
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "args",
     [["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"], [DEBUG, "train.global_batch_size=6"]],
@@ -111,6 +116,8 @@ def test_verify_arguments_and_tolerances():
     assert group_of("lm_head.weight") == "lm_head"
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_two_ranks_through_accelerate_launch():
     result = run(
         [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",

@@ -412,6 +412,7 @@ def ask_about_an_image(folder: Path, image, new_tokens: int):
         "input_ids"].shape[1]
 
 
+@pytest.mark.e2e
 def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_folder, tmp_path):
     from finetune.assemble import build
 
@@ -434,6 +435,7 @@ def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_fol
                            base.model.multi_modal_projector.linear_1.weight)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("batching", [
     ["data.batching=packed"], ["data.batching=length_grouped"],
     ["data.batching=token_budget", "data.max_tokens_per_micro_batch=300", "train.global_batch_tokens=600"],
@@ -464,6 +466,8 @@ def step_logs(output_dir: Path) -> list[dict]:
     return [e for e in state["log_history"] if "loss" in e and "train_loss" not in e]
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(tiny_vlm_folder, tmp_path):
     """One image among four rows: at every step some rank has no image; with the tower training, DDP needs every
     rank to give it a gradient (the zero-weighted dummy image) or the run hangs."""
@@ -492,6 +496,7 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.subprocess
 def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_path):
     """recipes/vlm.yaml as users launch it (fewer, shorter steps); then AutoProcessor + AutoModelForImageTextToText."""
     out = tmp_path / "vlm"

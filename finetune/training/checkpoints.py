@@ -1,14 +1,13 @@
 """Checkpoints that are complete or absent, and what resuming needs (lifecycle.py: a run's start and end).
 
-What a checkpoint-N holds (see `save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights
-(model.safetensors, or the adapter's adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16),
-rng_state[_RANK].pth (Python, NumPy, torch, CUDA), trainer_state.json (global step, log history) and finetune_state.json
-(our counters). The data position needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted
-micro-batches are formed from train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between
-optimizer steps, so global_step × accumulation micro-batches into the epoch is the position (the Trainer skips them on
-resume) and the accumulation window starts empty. Every .pt/.pth loads with `torch.load(weights_only=True)`;
-training_args.bin is written by the Trainer (a pickle of TrainingArguments) and never loaded, by us or by the Trainer's
-resume.
+What a checkpoint-N holds (`save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights (model.safetensors,
+or the adapter's adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python,
+NumPy, torch, CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data
+position needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed
+from train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between optimizer steps, so global_step
+× accumulation micro-batches into the epoch is the position (the Trainer skips them on resume) and the window starts
+empty. Every .pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's training_args.bin (a pickle) is never
+loaded.
 """
 
 from __future__ import annotations

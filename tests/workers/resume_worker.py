@@ -1,6 +1,6 @@
 """`finetune/train.py` as users run it, killed with SIGKILL at a chosen point (for tests/test_resume.py).
 
-    python tests/resume_worker.py KILL_AT recipe=recipes/debug.yaml key=value ...
+    python tests/workers/resume_worker.py KILL_AT recipe=recipes/debug.yaml key=value ...
 
 KILL_AT: `none`; `window:N` (inside optimizer step N's accumulation window, after its first micro-batch);
 `step:N` (after step N's update, before its checkpoint is written); `save:N` (while checkpoint-N is being written:

@@ -1,0 +1,131 @@
+"""The shape of the package, read from its source (ast, nothing imported): no import circle, nothing imports an entry
+script, the sub-packages say what they own, one home for the process environment and for the ignore index, scripts
+import nothing from tests, and the console scripts name real functions."""
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "finetune"
+ENTRY_SCRIPTS = {"finetune.train", "finetune.plan", "finetune.verify"}  # run as scripts or with -m, never imported
+SUB_PACKAGES = ("recipe", "data", "model", "training", "tools")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path, top_level_only: bool) -> set[str]:
+    """The finetune modules `path` imports (`from a.b import c` names a.b.c where that is a module, else a.b); with
+    `top_level_only`, only the imports that run when it is imported: not those inside functions or under
+    `if TYPE_CHECKING:`."""
+    known, found = modules(), set()
+
+    def visit(node: ast.AST) -> None:
+        if top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if top_level_only and isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in known else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {name for name in found if name == "finetune" or name.startswith("finetune.")}
+
+
+def test_no_module_level_import_circle():
+    graph = {name: imported(path, top_level_only=True) & set(modules()) for name, path in modules().items()}
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for child in sorted(graph[name]):
+            if state.get(child) == "open":
+                raise AssertionError("import circle: " + " → ".join([*stack[stack.index(child):], child]))
+            if child not in state:
+                visit(child)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_nothing_imports_an_entry_script():
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    offenders = [f"{path.relative_to(ROOT)} imports {name}" for path in sources
+                 for name in imported(path, top_level_only=False) & ENTRY_SCRIPTS]
+    assert offenders == []
+
+
+def test_the_tools_are_used_by_nothing_in_the_package_but_the_entry_scripts_and_each_other():
+    users = [f"{name} imports {other}" for name, path in modules().items()
+             if not name.startswith("finetune.tools") and name not in ENTRY_SCRIPTS
+             for other in imported(path, top_level_only=False) if other.startswith("finetune.tools")]
+    assert users == []
+
+
+def test_every_sub_package_says_what_it_owns_and_what_it_may_import():
+    for name in SUB_PACKAGES:
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"finetune/{name}/__init__.py needs a docstring saying what it may import"
+
+
+def test_sub_package_modules_stay_small():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for name in SUB_PACKAGES for path in (PACKAGE / name).glob("*.py")
+            if (n := len(path.read_text().splitlines())) > 300]
+    assert long == []
+
+
+def test_the_process_environment_is_read_in_finetune_env_only():
+    names = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FINETUNE_CACHE"}
+    readers = [f"{path.relative_to(ROOT)}:{node.lineno} {node.value}" for path in PACKAGE.rglob("*.py")
+               if path.name != "env.py" for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in names]
+    assert readers == []
+
+
+def test_the_ignore_index_is_written_once():
+    literals = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in PACKAGE.rglob("*.py") if path.name != "labels.py"
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+                and isinstance(node.operand, ast.Constant) and node.operand.value == 100]
+    assert literals == [], "use finetune.labels.IGNORE_INDEX"
+
+
+def test_scripts_import_nothing_from_tests_and_edit_no_import_path():
+    problems = []
+    for path in (ROOT / "scripts").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            problems += [f"{path.name}: imports {n}" for n in names if n == "tests" or n.startswith("tests.")]
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append"):
+                problems.append(f"{path.name}:{node.lineno}: edits sys.path")
+    assert problems == []
+
+
+def test_console_scripts_name_functions_that_exist():
+    section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, flags=re.M))
+    assert set(scripts) == {"finetune-train", "finetune-plan", "finetune-verify"}
+    for target in scripts.values():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), target
