@@ -65,7 +65,13 @@ def reference(tmp_path_factory):
             from finetune.tools.train import train
 
             out = tmp_path_factory.mktemp(f"reference-{mode}")
-            assert train(load_config([*COMMON, *MODES[mode], "train.save_steps=1", f"train.output_dir={out}"])) == 0
+            # as many CPU threads as the resumed runs (ENV): a reduction split over 2 threads can differ bitwise from 1
+            threads = torch.get_num_threads()
+            torch.set_num_threads(int(ENV["OMP_NUM_THREADS"]))
+            try:
+                assert train(load_config([*COMMON, *MODES[mode], "train.save_steps=1", f"train.output_dir={out}"])) == 0
+            finally:
+                torch.set_num_threads(threads)
             _references[mode] = out
         return _references[mode]
 
