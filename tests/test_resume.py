@@ -56,6 +56,16 @@ def assert_same_run(folder: Path, reference: Path) -> None:
 _references: dict[str, Path] = {}
 
 
+@pytest.fixture(autouse=True)
+def resumed_runs_thread_count():
+    """Every in-process run here uses the thread count of the subprocess runs (ENV): a reduction split over 2 threads
+    can differ bitwise from 1, and these tests compare runs bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(ENV["OMP_NUM_THREADS"]))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run of a batching mode (trained in this process once), saving a checkpoint every step."""
