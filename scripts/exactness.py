@@ -244,6 +244,24 @@ def worst_error(trainer_cls, model_name, micro, accumulation, rows) -> float:
     return max(error for error, _ in step_errors(initial, windows, snapshots))
 
 
+EVAL_BATCHES = (1, 3, 7, 16)
+
+
+def eval_errors(trainer_cls, model_name) -> list[float]:
+    """Relative error of `evaluate()["eval_loss"]` against the float64 token mean of the whole eval set (23 rows of
+    4–48 tokens), at each eval batch size."""
+    model, rows = MODELS[model_name](), ragged_rows(23, seed=9, min_len=4, max_len=48)
+    _, reference = reference_gradient(model, rows)
+    errors = []
+    for batch in EVAL_BATCHES:
+        with tempfile.TemporaryDirectory() as out:
+            args = sgd_args(Path(out), 1, 1)
+            args.per_device_eval_batch_size = batch
+            trainer = trainer_cls(model=model, args=args, eval_dataset=rows, data_collator=RecordingCollator())
+            errors.append(abs(trainer.evaluate()["eval_loss"] - reference) / reference)
+    return errors
+
+
 def main() -> None:
     print("| model | case | TokenNormTrainer | transformers.Trainer |\n|---|---|---|---|")
     for model_name in MODELS:
@@ -251,6 +269,11 @@ def main() -> None:
             ours = worst_error(TokenNormTrainer, model_name, micro, accumulation, rows)
             stock = worst_error(Trainer, model_name, micro, accumulation, rows)
             print(f"| {model_name} | {case} | {ours:.1e} | {stock:.1e} |", flush=True)
+    print(f"\n| model | eval_loss at eval batch {' / '.join(map(str, EVAL_BATCHES))} | TokenNormTrainer | "
+          "transformers.Trainer |\n|---|---|---|---|")
+    for model_name in ("llama", "mean_loss_module"):
+        ours, stock = (" / ".join(f"{e:.1e}" for e in eval_errors(cls, model_name)) for cls in (TokenNormTrainer, Trainer))
+        print(f"| {model_name} | relative error vs the float64 token mean | {ours} | {stock} |", flush=True)
 
 
 if __name__ == "__main__":
