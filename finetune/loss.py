@@ -76,14 +76,16 @@ def row_cross_entropy_sums(
     logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a [B, T] batch: (float64 sum of cross-entropy, int64 target count), both [B]. For evaluation, where
-    rows are the unit that ranks gather (and duplicated tail rows of an uneven split are dropped)."""
+    rows are the unit that ranks gather (and duplicated tail rows of an uneven split are dropped). `logits` are
+    [B, T, V], or [N, V] computed only where `targets != -100` (row-major)."""
     mask = targets != IGNORE_INDEX
+    kept = logits if logits.dim() == 2 and logits.shape[0] == int(mask.sum()) else logits[mask]
     accumulate = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    per_target = F.cross_entropy(logits[mask].to(accumulate), targets[mask], reduction="none",
+    per_target = F.cross_entropy(kept.to(accumulate), targets[mask].to(kept.device), reduction="none",
                                  label_smoothing=label_smoothing)
-    rows = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[mask]
+    rows = mask.nonzero()[:, 0].to(per_target.device)
     sums = torch.zeros(targets.shape[0], dtype=torch.float64, device=per_target.device)
-    return sums.index_add_(0, rows.to(per_target.device), per_target.double()), mask.sum(-1)
+    return sums.index_add_(0, rows, per_target.double()), mask.sum(-1)
 
 
 def kept_cross_entropy_sum(

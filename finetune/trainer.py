@@ -176,20 +176,21 @@ class TokenNormTrainer(Trainer):
             return (loss, outputs) if return_outputs else loss
 
         smoothing = self.args.label_smoothing_factor
-        outputs, hidden = self._forward(model, inputs, targets, keep_logits=self._keeps_logits and not return_outputs)
+        keep_logits = self._keeps_logits and not return_outputs
+        outputs, hidden = self._forward(model, inputs, targets, keep_logits=keep_logits)
         logits = logits_of(outputs)
+        kept = keep_logits and logits is not None and logits.dim() == 2
         if hidden is not None:
             head = self._chunked_head
             loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing)
-        elif logits is not None and logits.dim() == 2 and not return_outputs and self._keeps_logits:
+        elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
+            row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
+            self._add_eval(self.gather_function(torch.stack([row_sums, row_counts.double()], dim=1)))
+            loss_sum, count = row_sums.sum(), row_counts.sum()
+        elif kept:
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
         elif logits is not None and logits.shape[:-1] == targets.shape:
-            if evaluating:
-                row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
-                self._add_eval(self.gather_function(torch.stack([row_sums, row_counts.double()], dim=1)))
-                loss_sum, count = row_sums.sum(), row_counts.sum()
-            else:
-                loss_sum, count = cross_entropy_sum(logits, targets, smoothing)
+            loss_sum, count = cross_entropy_sum(logits, targets, smoothing)
         else:
             shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
             raise ValueError(
@@ -264,6 +265,16 @@ class TokenNormTrainer(Trainer):
         return model(**forward), None
 
     # ---- evaluation: the token mean of the whole set ----
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Only the loss is asked for (evaluate() without compute_metrics): logits where a target is, not [B, T, V]
+        if (not prediction_loss_only or self.loss_kind is None or self.compute_loss_func is not None
+                or not isinstance(inputs, Mapping) or inputs.get("labels") is None):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
 
     def _add_eval(self, gathered: torch.Tensor) -> None:
         self._eval_sums += gathered.to(self._eval_sums.device, torch.float64).sum(0)
