@@ -151,7 +151,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         return (
             grad_hidden.mul_(grad_output.to(grad_hidden.dtype)),
             grad_weight.mul_(grad_output.to(grad_weight.dtype)) if ctx.needs_input_grad[1] else None,
-            grad_bias.mul_(grad_output.to(grad_bias.dtype)) if grad_bias is not None and ctx.needs_input_grad[2] else None,
+            grad_bias.mul_(grad_output.to(grad_bias.dtype))
+            if grad_bias is not None and ctx.needs_input_grad[2] else None,
             None,
             None,
             None,

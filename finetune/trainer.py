@@ -163,7 +163,8 @@ class TokenNormTrainer(Trainer):
             outputs, _ = self._forward(model, inputs, targets, keep_logits=False)
             count = (targets != IGNORE_INDEX).sum()
             per_batch = evaluating or num_items_in_batch is None
-            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=count if per_batch else num_items_in_batch)
+            denominator = count if per_batch else num_items_in_batch
+            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=denominator)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
@@ -249,12 +250,16 @@ class TokenNormTrainer(Trainer):
             self._chunked_head = False
             return model(**forward), None
         kept, seen = [], []
-        one_row = head.register_forward_pre_hook(lambda m, args: (kept.append(args[0]), (args[0].narrow(-2, 0, 1), *args[1:]))[1])
+        def one_row(module, args):  # keep every kept position's hidden state; the head sees the first row only
+            kept.append(args[0])
+            return (args[0].narrow(-2, 0, 1), *args[1:])
+
+        narrow = head.register_forward_pre_hook(one_row)
         record = head.register_forward_hook(lambda m, args, output: seen.append(output))
         try:
             outputs = model(**forward)
         finally:
-            one_row.remove()
+            narrow.remove()
             record.remove()
         if len(seen) == 1 and logits_of(outputs) is seen[0]:
             self._chunked_head = head
@@ -282,7 +287,8 @@ class TokenNormTrainer(Trainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         if self.loss_kind is None:
-            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
         self._eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,

@@ -272,7 +272,8 @@ def main() -> None:
     print(f"\n| model | eval_loss at eval batch {' / '.join(map(str, EVAL_BATCHES))} | TokenNormTrainer | "
           "transformers.Trainer |\n|---|---|---|---|")
     for model_name in ("llama", "mean_loss_module"):
-        ours, stock = (" / ".join(f"{e:.1e}" for e in eval_errors(cls, model_name)) for cls in (TokenNormTrainer, Trainer))
+        ours, stock = (" / ".join(f"{e:.1e}" for e in eval_errors(cls, model_name))
+                       for cls in (TokenNormTrainer, Trainer))
         print(f"| {model_name} | relative error vs the float64 token mean | {ours} | {stock} |", flush=True)
 
 

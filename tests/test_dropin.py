@@ -111,7 +111,8 @@ def test_batches_without_input_ids_a_regression_model_as_trainer(tmp_path):
 
 def test_a_causal_lm_fed_inputs_embeds_without_input_ids_is_exact(tmp_path):
     initial = tiny_llama()
-    table = torch.randn(initial.config.vocab_size, initial.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    config = initial.config
+    table = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(3))
 
     class EmbedsCollator(RecordingCollator):
         def __call__(self, rows):

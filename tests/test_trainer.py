@@ -1,4 +1,5 @@
-"""TokenNormTrainer applies exactly the token-mean gradient of each window (float64 brute force, one sequence at a time).
+"""TokenNormTrainer applies exactly the token-mean gradient of each window (float64 brute force, one sequence at a
+time).
 
 With SGD, lr 1, no momentum or decay, the parameter change of a step is minus the gradient the trainer applied, so
 every step of a run is checked against `reference_gradient` over the rows that window really held.

@@ -29,7 +29,8 @@ def tiny_qwen_vl(seed: int = 0):
     config = Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+            num_key_value_heads=2, max_position_embeddings=128,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
