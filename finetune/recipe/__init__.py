@@ -7,13 +7,14 @@ library, PyYAML, OmegaConf and `finetune.env`: no torch, no transformers, so eve
 mistake in a second. Everything else in finetune may import it; it imports nothing else of finetune.
 """
 
-from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
+from finetune.recipe.checks import accumulation_steps, check_config, evaluates, is_budgeted
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
 from finetune.recipe.schema import (
     CHOICES,
     OPEN_DICTS,
     Config,
     DataConfig,
+    EvalConfig,
     LogConfig,
     LoraConfig,
     ModelConfig,
@@ -25,7 +26,7 @@ from finetune.recipe.schema import (
 )
 
 __all__ = [
-    "CHOICES", "OPEN_DICTS", "Config", "DataConfig", "LogConfig", "LoraConfig", "ModelConfig", "OptimConfig",
-    "RecipeError", "ScheduleConfig", "TrainConfig", "accumulation_steps", "check_config", "choice_error",
-    "is_budgeted", "load_config", "recipe_file", "split_tool_args", "to_yaml",
+    "CHOICES", "OPEN_DICTS", "Config", "DataConfig", "EvalConfig", "LogConfig", "LoraConfig", "ModelConfig",
+    "OptimConfig", "RecipeError", "ScheduleConfig", "TrainConfig", "accumulation_steps", "check_config", "choice_error",
+    "evaluates", "is_budgeted", "load_config", "recipe_file", "split_tool_args", "to_yaml",
 ]

@@ -20,6 +20,11 @@ def is_budgeted(data: DataConfig) -> bool:
     return data.batching == "token_budget" or (data.batching == "packed" and bool(data.max_tokens_per_micro_batch))
 
 
+def evaluates(config: Config) -> bool:
+    """The recipe has an eval set: a separate eval.source, or rows held out of data.source (eval.fraction)."""
+    return bool(config.eval.source) or config.eval.fraction > 0
+
+
 def accumulation_steps(config: Config, ranks: int) -> int:
     """Micro-batches per rank per optimizer step, from the global batch (sequences, or tokens when budgeted)."""
     train, data = config.train, config.data
@@ -138,6 +143,7 @@ def check_config(config: Config) -> None:
             "longest row would not fit; raise the budget or lower data.max_length"
         )
     check_optim_and_schedule(config)
+    check_eval(config)
     if config.train.precision == "fp16" and config.model.dtype != "float32":
         raise RecipeError(
             "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
@@ -153,3 +159,38 @@ def check_config(config: Config) -> None:
     elif config.train.global_batch_size % ranks:
         raise RecipeError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
                           f"{ranks} ranks; set a multiple of {ranks}")
+
+
+def check_eval(config: Config) -> None:
+    """The eval section against itself and the data section."""
+    ev, data = config.eval, config.data
+    if ev.source and ev.fraction:
+        raise RecipeError("set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not "
+                          "both")
+    if not 0 <= ev.fraction < 1:
+        raise RecipeError(f"eval.fraction={ev.fraction} must be in [0, 1): the share of data.source held out")
+    if not evaluates(config):
+        asked = [key for key, given in (
+            ("eval.every_steps", ev.every_steps), ("eval.best_checkpoint", ev.best_checkpoint),
+            ("eval.early_stopping_patience", ev.early_stopping_patience), ("eval.limit", ev.limit is not None),
+            ("eval.prompts", ev.prompts)) if given]
+        if asked:
+            raise RecipeError(f"{asked[0]} needs an eval set: set eval.fraction (e.g. 0.05: rows held out of "
+                              "data.source) or eval.source")
+        return
+    if data.streaming and ev.fraction:
+        raise RecipeError("eval.fraction holds rows out of data.source, which data.streaming=true reads only as "
+                          "training goes; set eval.source to a separate eval set, or data.streaming=false")
+    if ev.early_stopping_patience and not ev.every_steps:
+        raise RecipeError("eval.early_stopping_patience counts evaluations during training; set eval.every_steps "
+                          "(optimizer steps between evaluations)")
+    budget = ev.max_tokens_per_micro_batch
+    if ev.batching == "token_budget" and not budget:
+        raise RecipeError("eval.batching=token_budget needs eval.max_tokens_per_micro_batch (tokens per eval "
+                          "micro-batch)")
+    if budget and ev.batching in ("padded", "length_grouped"):
+        raise RecipeError(f"eval.max_tokens_per_micro_batch applies to eval.batching=token_budget or packed, not "
+                          f"{ev.batching}; remove it or change eval.batching")
+    if budget and budget < data.max_length:
+        raise RecipeError(f"eval.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}: a "
+                          "longest row would not fit; raise the budget or lower data.max_length")

@@ -124,6 +124,25 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    # The eval set. Empty: rows held out of data.source (eval.fraction; stdlib_docs holds out whole modules), else a
+    # stdlib_docs | shapes_captions | jsonl/json/parquet/csv file or folder | hub id, read with the data.* keys
+    source: str | None = None
+    split: str = "validation"  # the split of a hub dataset eval.source
+    fraction: float = 0.0  # share of data.source held out (seeded by train.seed), never trained on; 0: no held-out rows
+    limit: int | None = None  # evaluate on N rows: the first N of eval.source, or N held-out rows in a seeded order
+    every_steps: int = 0  # optimizer steps between evaluations; 0: only before the first step and at the end
+    batching: str = one_of("packed", "padded", "length_grouped", "token_budget")  # as data.batching
+    micro_batch_size: int = 8  # rows per eval micro-batch (per rank)
+    max_tokens_per_micro_batch: int | None = None  # token_budget, or packed by tokens
+    samples: int = 2  # held-out prompts generated from (greedy) at each evaluation: console and a W&B table
+    prompts: list[str] = field(default_factory=list)  # your own prompts, generated from beside them
+    max_new_tokens: int = 48
+    best_checkpoint: bool = False  # keep the model of the lowest eval loss in train.output_dir/best
+    early_stopping_patience: int = 0  # stop after N evaluations without a lower eval loss; 0: never
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -131,6 +150,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     recipe: str | None = None  # the YAML file this config came from
 
 
