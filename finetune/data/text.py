@@ -162,12 +162,17 @@ def blank_tokens(tokenizer):
     return functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
 
 
-def load_sft_dataset(data: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataReport]:
-    """(datasets.Dataset with input_ids and labels, DataReport)."""
+def load_sft_dataset(data: DataConfig, tokenizer, records: list[Record] | None = None
+                     ) -> tuple[datasets.Dataset, DataReport]:
+    """(datasets.Dataset with input_ids and labels, DataReport), from data.source or from `records` already read
+    (finetune/data/heldout.py splits them into training and held-out rows)."""
     import datasets
 
     report = DataReport(source=data.source)
-    records = read_records(data, report)
+    if records is None:
+        records = read_records(data, report)
+    else:
+        report.rows_read = len(records)
     if not records:
         raise RecipeError(f"data.source={data.source}: no rows to read")
     fmt = report.format = detect_format(data.format, records, data.source)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from finetune.data.sources import BadRow, DataReport, read_records, reject_row
+from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.data.text import blank_tokens, detect_format, render_chat, row_labels
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
@@ -158,21 +158,31 @@ def encode_row(processor, messages: list[dict], images: list, loss_on: str, blan
     return row_labels("messages", loss_on, encoded, blank)
 
 
-def load_vision_dataset(data: DataConfig, processor):
-    """(datasets.Dataset with input_ids, labels, images, row; DataReport)."""
-    import datasets
-
-    report = DataReport(source=data.source, format="messages+images")
+def vision_records(data: DataConfig, report: DataReport) -> list[Record]:
+    """The raw image+text rows of data.source (the first data.limit), each with where it came from."""
     if data.source == "shapes_captions":
         from finetune.data import shapes_captions
 
         records = [(f"shapes_captions row {k + 1}", r) for k, r in enumerate(shapes_captions.rows(data.limit))]
         report.rows_read = len(records)
+        return records
+    records = read_records(data, report)
+    if data.format not in ("auto", "messages"):
+        raise RecipeError(f"data.format={data.format}: a VLM recipe reads messages rows (with images/image)")
+    detect_format("messages", records, data.source)
+    return records
+
+
+def load_vision_dataset(data: DataConfig, processor, records: list[Record] | None = None):
+    """(datasets.Dataset with input_ids, labels, images, row; DataReport), from data.source or from `records` already
+    read (finetune/data/heldout.py splits them into training and held-out rows)."""
+    import datasets
+
+    report = DataReport(source=data.source, format="messages+images")
+    if records is None:
+        records = vision_records(data, report)
     else:
-        records = read_records(data, report)
-        if data.format not in ("auto", "messages"):
-            raise RecipeError(f"data.format={data.format}: a VLM recipe reads messages rows (with images/image)")
-        detect_format("messages", records, data.source)
+        report.rows_read = len(records)
     blank = blank_tokens(processor.tokenizer)
     image_ids = image_token_ids(processor)
     image_token = getattr(processor, "image_token", "<image>")

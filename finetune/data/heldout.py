@@ -1,0 +1,213 @@
+"""A recipe's eval set: rows held out of data.source (`eval.fraction`) or read from `eval.source`; its micro-batches.
+
+Held out: the raw rows are grouped (stdlib_docs: by the module a question names, so no module has docstrings on both
+sides; any other source: identical rows together), the groups shuffled with train.seed and taken while they fit
+eval.fraction of the rows; the training set is built from the other rows only. Either way an eval row that equals a
+training row token for token (and image for image) is an error naming the key. The held-out rows come in a seeded
+random order, so eval.limit takes a random subset of them; with eval.source it keeps the first rows, as data.limit.
+Eval rows are read, tokenized and labelled as training rows are (data.format, data.max_length, data.loss_on, …).
+
+Eval micro-batches are formed here once, as `eval.batching` says (the modes of data.batching), and handed to the
+Trainer as a dataset whose items are whole micro-batches (eval batch size 1). Their count is padded to a multiple of
+the ranks with a row without targets, so no rank repeats a real row and the eval loss is the exact token mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups, row_collator
+from finetune.data.sources import DataReport, Record, read_records
+from finetune.data.streaming import stream_sft_dataset
+from finetune.data.text import load_sft_dataset
+from finetune.data.vision import VisionCollator, load_vision_dataset, vision_records
+from finetune.env import world_size
+from finetune.labels import IGNORE_INDEX
+from finetune.recipe import Config, DataConfig, RecipeError, evaluates, is_budgeted
+
+QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json
+
+
+@dataclass
+class EvalSet:
+    dataset: MicroBatches  # items are whole eval micro-batches
+    collator: Callable
+    records: list[Record]  # the raw eval rows: the sample prompts come from them
+    format: str  # messages | prompt_completion | text | messages+images
+    rows: int
+    tokens: int  # real tokens of the eval rows (eval tokens/s)
+    target_tokens: int
+    summary: str  # the start-up line
+
+
+# ---- held out of data.source ----
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what json cannot write: bytes and images (PIL) by a digest of their content."""
+    if isinstance(value, (bytes, bytearray)):
+        return hashlib.sha256(value).hexdigest()
+    if hasattr(value, "tobytes"):
+        return [list(getattr(value, "size", ())), hashlib.sha256(value.tobytes()).hexdigest()]
+    return repr(value)
+
+
+def group_key(record: Any, source: str) -> str:
+    """Rows with the same key are held out together: a stdlib module's rows, else identical rows."""
+    if source == "stdlib_docs":
+        with contextlib.suppress(KeyError, IndexError, TypeError):
+            match = QUESTION_MODULE.search(record["messages"][0]["content"])
+            if match:
+                return f"module {match.group(1)}"
+    text = json.dumps(record, sort_keys=True, default=_plain, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def split_records(records: list[Record], fraction: float, seed: int, source: str
+                  ) -> tuple[list[Record], list[Record], str]:
+    """(training rows in source order, held-out rows in a seeded order, what was held out)."""
+    groups: dict[str, list[int]] = {}
+    for index, (_, record) in enumerate(records):
+        groups.setdefault(group_key(record, source), []).append(index)
+    target = round(fraction * len(records))
+    if target < 1:
+        raise RecipeError(f"eval.fraction={fraction:g} of the {len(records)} rows of data.source={source} holds out "
+                          "no row; raise eval.fraction (or data.limit)")
+    rng = random.Random(f"eval.fraction {seed}")
+    order = sorted(groups)
+    rng.shuffle(order)
+    held: list[str] = []
+    count = 0
+    for key in order:
+        if count + len(groups[key]) <= target:
+            held.append(key)
+            count += len(groups[key])
+    if not held:  # every group is larger than the share: the smallest one
+        held = [min(order, key=lambda k: len(groups[k]))]
+    if len(held) == len(groups):
+        raise RecipeError(f"eval.fraction={fraction:g} holds out every row of data.source={source} ({len(groups)} "
+                          "group(s) of rows that are held out together); lower eval.fraction or raise data.limit")
+    chosen = {i for key in held for i in groups[key]}
+    held_out = [records[i] for i in sorted(chosen)]
+    rng.shuffle(held_out)
+    kind = "module" if source == "stdlib_docs" else "distinct row"
+    how = f"{len(chosen):,} rows ({len(held)} {kind}{'s' if len(held) != 1 else ''}) held out of {source}"
+    return [r for i, r in enumerate(records) if i not in chosen], held_out, how
+
+
+# ---- reading and checking the eval rows ----
+
+
+def eval_data(cfg: Config, source: str, split: str) -> DataConfig:
+    """The data keys the eval rows are read and batched with: data.* with the eval section's source, limit, batching."""
+    ev = cfg.eval
+    return dataclasses.replace(cfg.data, source=source, split=split, limit=ev.limit, batching=ev.batching,
+                               max_tokens_per_micro_batch=ev.max_tokens_per_micro_batch, streaming=False)
+
+
+@contextlib.contextmanager
+def named(key: str, source: str):
+    """Errors met while reading the eval rows name the eval key that chose them, not data.source."""
+    try:
+        yield
+    except RecipeError as e:
+        text = str(e).replace(f"data.source={source}", key)
+        raise RecipeError(text if key in text else f"{key}: {text}") from None
+
+
+def row_digest(ids, images=None) -> str:
+    text = json.dumps([list(ids), images], default=_plain, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_no_overlap(train, rows: list[dict], key: str) -> None:
+    """No eval row equals a training row (tokens and images)."""
+    images = train["images"] if "images" in train.column_names else [None] * len(train)
+    seen = {row_digest(ids, im) for ids, im in zip(train["input_ids"], images)}
+    both = sum(row_digest(r["input_ids"], r.get("images")) in seen for r in rows)
+    if both:
+        raise RecipeError(f"{key}: {both} of the {len(rows)} eval rows are also training rows (the same tokens); an "
+                          "eval row must never be trained on: remove them from one of the sets")
+
+
+# ---- micro-batches ----
+
+
+def eval_groups(lengths: list[int], data: DataConfig, micro: int, seed: int) -> list[list[int]]:
+    """Row indices per eval micro-batch, as data.batching (here: eval.batching) forms training micro-batches."""
+    if is_budgeted(data):
+        return budget_groups(lengths, data.max_tokens_per_micro_batch, data.batching == "token_budget", seed)
+    order = list(range(len(lengths)))
+    if data.batching == "length_grouped":
+        order.sort(key=lambda i: -lengths[i])
+    return [order[k : k + micro] for k in range(0, len(order), micro)]
+
+
+def pad_for_ranks(rows: list[dict], groups: list[list[int]], ranks: int) -> None:
+    """Adds micro-batches of one row without targets until every rank gets as many: none repeats a real row."""
+    missing = -len(groups) % ranks
+    if missing:
+        shortest = min(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
+        rows.append({**rows[shortest], "labels": [IGNORE_INDEX] * len(rows[shortest]["labels"])})
+        groups += [[len(rows) - 1] for _ in range(missing)]
+
+
+# ---- the whole ----
+
+
+def load_datasets(cfg: Config, tokenizer, vision: bool) -> tuple[Any, DataReport, EvalSet | None]:
+    """(the training dataset, its DataReport, the eval set or None): what finetune.assemble.build trains and
+    evaluates on. `tokenizer` is the processor of a VLM recipe."""
+    data, ev = cfg.data, cfg.eval
+    load = load_vision_dataset if vision else load_sft_dataset
+    if data.streaming:
+        dataset, report = stream_sft_dataset(data, tokenizer, cfg.train.seed)
+    elif ev.fraction:
+        read = DataReport(source=data.source)
+        records = vision_records(data, read) if vision else read_records(data, read)
+        if not records:
+            raise RecipeError(f"data.source={data.source}: no rows to read")
+        train_records, held, how = split_records(records, ev.fraction, cfg.train.seed, data.source)
+        dataset, report = load(data, tokenizer, records=train_records)
+    else:
+        dataset, report = load(data, tokenizer)
+    if not evaluates(cfg):
+        return dataset, report, None
+
+    if ev.fraction:
+        key, source, config = f"eval.fraction={ev.fraction:g}", data.source, eval_data(cfg, data.source, data.split)
+        records = held[: ev.limit] if ev.limit is not None else held
+    else:
+        key, source, config = f"eval.source={ev.source}", ev.source, eval_data(cfg, ev.source, ev.split)
+        how = f"eval.source={ev.source}"
+        with named(key, source):
+            read = DataReport(source=source)
+            records = vision_records(config, read) if vision else read_records(config, read)
+    with named(key, source):
+        if not records:
+            raise RecipeError(f"data.source={source}: no rows to read")
+        held_rows, eval_report = load(config, tokenizer, records=records)
+    rows = held_rows.to_list()
+    if not data.streaming:  # a stream is not known up front
+        check_no_overlap(dataset, rows, key)
+    lengths = [len(r["input_ids"]) for r in rows]
+    groups = eval_groups(lengths, config, ev.micro_batch_size, cfg.train.seed)
+    count = len(groups)
+    pad_for_ranks(rows, groups, world_size())
+    collator = MicroBatchCollator(row_collator(config, tokenizer.tokenizer if vision else tokenizer))
+    if vision:  # the image processor's tensors join each text batch
+        collator = VisionCollator(collator, tokenizer)
+    used = f" ({len(records):,} of them: eval.limit)" if ev.fraction and ev.limit is not None else ""
+    when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
+    summary = (f"eval: {how}{used}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
+               f"{'es' if count != 1 else ''}; {when}")
+    return dataset, report, EvalSet(MicroBatches(rows, groups), collator, records, eval_report.format,
+                                    eval_report.rows_kept, sum(lengths), eval_report.target_tokens, summary)
