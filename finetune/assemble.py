@@ -13,16 +13,15 @@ from collections.abc import Iterable
 
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
-from finetune.data import batching
-from finetune.data.streaming import stream_sft_dataset
-from finetune.data.text import load_sft_dataset
-from finetune.data.vision import VisionCollator, load_vision_dataset
+from finetune.data import batching, heldout
+from finetune.data.prompts import sample_prompts
+from finetune.data.vision import VisionCollator
 from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps
 from finetune.recipe_trainer import RecipeTrainer
-from finetune.training import distributed, reporting, schedules
+from finetune.training import distributed, evaluation, reporting, schedules
 
 
 def build(
@@ -32,10 +31,12 @@ def build(
     callbacks: Iterable[TrainerCallback] = (),
     stop_request=None,
     peak_flops: float | None = None,
+    evaluate: bool = True,
 ) -> RecipeTrainer:
     """The trainer this recipe trains with: `trainer_cls` (RecipeTrainer or a subclass) given the recipe's model,
     data, arguments and callbacks plus `callbacks`, `stop_request` (finetune.training.lifecycle.StopRequest) and
-    `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs)."""
+    `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `evaluate=False`:
+    no evaluation (the held-out rows stay out of training all the same)."""
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe
     if cfg.train.precision == "fp16" and not reporting.has_accelerator():
         # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead
@@ -49,12 +50,14 @@ def build(
     vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
 
-    # data and batching, before the model: a bad row fails in seconds
-    if cfg.data.streaming:
-        dataset, report = stream_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
-    else:
-        dataset, report = (load_vision_dataset if vision else load_sft_dataset)(cfg.data, tokenizer)
+    # data, the eval set (finetune/data/heldout.py) and batching, before the model: a bad row fails in seconds
+    dataset, report, held_out = heldout.load_datasets(cfg, tokenizer, vision)
     reporting.main_print(f"data: {report.summary()}")
+    held_out = held_out if evaluate else None
+    if held_out is not None:
+        reporting.main_print(held_out.summary)
+        prompts = sample_prompts(held_out.records, held_out.format, cfg.eval.samples, cfg.eval.prompts, tokenizer,
+                                 vision)
     batches = batching.prepare(cfg, dataset, tokenizer.tokenizer if vision else tokenizer)
     if vision:  # the image processor's tensors join each text batch
         batches.collator = VisionCollator(batches.collator, tokenizer)
@@ -68,7 +71,8 @@ def build(
     # model
     set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
-    if cfg.data.batching == "packed" and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
+    packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
+    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
 
     # trainer
@@ -98,6 +102,7 @@ def build(
         ddp_find_unused_parameters=False,
         accelerator_config=distributed.accelerator_config(cfg),
         use_cpu=not reporting.has_accelerator(),
+        **(evaluation.training_arguments(cfg) if held_out is not None else {}),
     )
     if peak_flops is None and cfg.log.peak_tflops:
         peak_flops = cfg.log.peak_tflops * 1e12
@@ -108,7 +113,8 @@ def build(
         data_collator=batches.collator,
         processing_class=tokenizer,
         callbacks=[
-            reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg), *callbacks
+            reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg), *callbacks,
+            *(evaluation.callbacks(cfg, prompts) if held_out is not None else ()),
         ],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
@@ -116,4 +122,6 @@ def build(
         on_nonfinite=cfg.train.on_nonfinite,
         stop_request=stop_request,
         peak_flops=peak_flops,
+        **({} if held_out is None else {"eval_dataset": held_out.dataset, "eval_setup": evaluation.EvalSetup(
+            held_out.collator, held_out.tokens, cfg.eval.best_checkpoint)}),
     )

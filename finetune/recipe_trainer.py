@@ -17,6 +17,7 @@ from transformers.utils import logging
 from finetune import checkpoints
 from finetune.config import RecipeError
 from finetune.trainer import TokenNormTrainer
+from finetune.training.evaluation import HeldOutEvaluation
 
 logger = logging.get_logger(__name__)
 
@@ -39,7 +40,7 @@ def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite:
     return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
 
 
-class RecipeTrainer(TokenNormTrainer):
+class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
     """What `finetune/train.py` runs: TokenNormTrainer with the recipe's optimizer and schedule.
 
     Both are built at the Trainer's own hooks, so the optimizer sees the model as FSDP2/ZeRO wrap it, and the schedule
@@ -47,6 +48,7 @@ class RecipeTrainer(TokenNormTrainer):
     Checkpoints are complete or absent (finetune/checkpoints.py). Once per optimizer step, before
     the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
     counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
+    Evaluation on the recipe's eval set, the best model (`eval_setup=`): finetune/training/evaluation.py.
     """
 
     def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
@@ -174,7 +176,8 @@ class RecipeTrainer(TokenNormTrainer):
         from finetune.optim import build_optimizer
 
         if self.optimizer is None:
-            self.optimizer = build_optimizer(model if model is not None else self.model, self.optim_config, self.peak_lr)
+            target = model if model is not None else self.model
+            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr)
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -1,12 +1,15 @@
-"""Plot a run: loss, learning rate, gradient norm and tokens/s per optimizer step, in one PNG.
+"""Plot a run: loss (and the held-out eval loss), learning rate, gradient norm and tokens/s per optimizer step, in one
+PNG.
 
     python scripts/plot_run.py OUTPUT_DIR [out=PATH]
 
 Reads OUTPUT_DIR/trainer_state.json (written at the end of every run; while a run is going, the newest
-checkpoint-N/trainer_state.json is used), one log_history entry per logged optimizer step. The PNG goes to
-OUTPUT_DIR/run.png unless `out=` says otherwise. Tokens/s is the logged `real_tokens_per_s` (tokens that are not
-padding), with `computed_tokens_per_s` (padding included) beside it when logged; a run that logged neither gets an
-empty panel that says so.
+checkpoint-N/trainer_state.json is used): one log_history entry per logged optimizer step, and one per evaluation
+(`eval_loss`, drawn beside the training loss). Tokens/s is measured, so trainer_state.json does not hold it (a resumed
+run must reproduce that file exactly): it comes from OUTPUT_DIR/timings.jsonl, which a run appends per logged step
+(`real_tokens_per_s`, tokens that are not padding, and `computed_tokens_per_s`, padding included) and per evaluation
+(`eval_tokens_per_s`). A run without that file gets an empty panel that says so. The PNG goes to OUTPUT_DIR/run.png
+unless `out=` says otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ PANELS = (  # (title, [(log key, label, style)])
     ("tokens/s (all ranks)", [("real_tokens_per_s", "real tokens/s", "-"),
                               ("computed_tokens_per_s", "computed tokens/s (with padding)", "--")]),
 )
+EVAL_SERIES = {  # panel index → (key of an evaluation's entry, label, style): drawn over the step series
+    0: ("eval_loss", "eval loss (held out, token mean of the eval set)", "--"),
+    3: ("eval_tokens_per_s", "eval tokens/s (forward only)", ":"),
+}
+TIMINGS = "timings.jsonl"
 
 
 class PlotError(ValueError):
@@ -41,35 +49,69 @@ def state_file(output_dir: str) -> str:
                     "train.output_dir")
 
 
-def load_steps(output_dir: str) -> list[dict]:
-    """The log_history entries of optimizer steps (not the end-of-training summary), in step order."""
+def load_history(output_dir: str) -> tuple[str, list[dict]]:
     path = state_file(output_dir)
     try:
-        history = json.load(open(path))["log_history"]
+        return path, json.load(open(path))["log_history"]
     except (OSError, ValueError, KeyError) as e:
         raise PlotError(f"{path}: not a trainer_state.json with a log_history ({e})") from None
+
+
+def load_timings(output_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
+    """({step: step timings}, {step: eval timings}) from timings.jsonl; a step written twice (a resumed run): the last
+    line. Empty without the file."""
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    path = os.path.join(output_dir, TIMINGS)
+    if not os.path.isfile(path):
+        return steps, evals
+    for line in open(path):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+            (evals if "eval_tokens_per_s" in entry else steps)[entry["step"]] = entry
+    return steps, evals
+
+
+def load_steps(output_dir: str) -> list[dict]:
+    """The log_history entries of optimizer steps (not the end-of-training summary), in step order, with their
+    timings.jsonl figures."""
+    path, history = load_history(output_dir)
+    timings = load_timings(output_dir)[0]
     logged = (e for e in history if "loss" in e and "step" in e and "train_loss" not in e)
-    steps = sorted(logged, key=lambda e: e["step"])
+    steps = sorted(({**timings.get(e["step"], {}), **e} for e in logged), key=lambda e: e["step"])
     if not steps:
         raise PlotError(f"{path}: no optimizer step was logged yet")
     return steps
 
 
-def figure(steps: list[dict], title: str):
-    """A 2 × 2 matplotlib figure, one panel per PANELS entry; a series nobody logged is left out, with a note."""
+def load_evals(output_dir: str) -> list[dict]:
+    """The log_history entries of evaluations, in step order, with their eval tokens/s from timings.jsonl."""
+    timings = load_timings(output_dir)[1]
+    evals = (e for e in load_history(output_dir)[1] if "eval_loss" in e and "step" in e)
+    return sorted(({**timings.get(e["step"], {}), **e} for e in evals), key=lambda e: e["step"])
+
+
+def figure(steps: list[dict], title: str, evals: list[dict] = ()):
+    """A 2 × 2 matplotlib figure, one panel per PANELS entry, with the evaluations' series (EVAL_SERIES) over them; a
+    series nobody logged is left out, with a note."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    for ax, (panel_title, series) in zip(axes.flat, PANELS):
+    for index, (ax, (panel_title, series)) in enumerate(zip(axes.flat, PANELS)):
         drawn = 0
-        for key, label, style in series:
-            points = [(e["step"], e[key]) for e in steps if isinstance(e.get(key), (int, float))]
+        sources = [(steps, s) for s in series] + ([(evals, EVAL_SERIES[index])] if index in EVAL_SERIES else [])
+        for entries, (key, label, style) in sources:
+            points = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), (int, float))]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, style, marker="." if len(xs) <= 100 else None, linewidth=1.2, label=label)
+                marker = "o" if entries is evals else "." if len(xs) <= 100 else None
+                ax.plot(xs, ys, style, marker=marker, linewidth=1.2, label=label)
                 drawn += 1
         if drawn > 1:
             ax.legend(fontsize=8)
@@ -93,12 +135,13 @@ def main(argv: list[str]) -> int:
         if len(positional) != 1 or set(options) - {"out"}:
             raise PlotError("usage: python scripts/plot_run.py OUTPUT_DIR [out=PATH]")
         output_dir = positional[0]
-        steps = load_steps(output_dir)
+        steps, evals = load_steps(output_dir), load_evals(output_dir)
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = options.get("out") or os.path.join(output_dir, "run.png")
-    fig = figure(steps, f"{os.path.basename(os.path.abspath(output_dir))}: {len(steps)} logged optimizer steps")
+    title = f"{os.path.basename(os.path.abspath(output_dir))}: {len(steps)} logged optimizer steps"
+    fig = figure(steps, title + (f", {len(evals)} evaluations" if evals else ""), evals)
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
     return 0

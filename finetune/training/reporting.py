@@ -4,6 +4,7 @@ a step-count check and the profiler."""
 from __future__ import annotations
 
 import glob
+import json
 import netrc
 import os
 
@@ -14,7 +15,9 @@ from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
 from finetune.env import is_main_process
+from finetune.meter import TIMING_KEYS
 from finetune.recipe import Config
+from finetune.training import evaluation
 
 
 def main_print(line: str) -> None:
@@ -102,6 +105,30 @@ class StepProgress(ProgressCallback):
             self.training_bar.write(step_line(logs, state.global_step, state.max_steps))
             if logs.get("real_tokens_per_s") is not None:
                 self.training_bar.set_postfix_str(f"{logs['real_tokens_per_s']:.0f} tok/s")
+        elif "eval_loss" in logs:
+            self.training_bar.write(evaluation.eval_line(logs, state.global_step, state.max_steps))
+
+
+class TimingLog(TrainerCallback):
+    """train.output_dir/timings.jsonl on rank 0: per logged step its tokens/s, samples/s, peak memory and MFU, per
+    evaluation its eval tokens/s; the figures trainer_state.json leaves out (a resumed run could not reproduce them).
+    A fresh run starts the file; a resumed one appends (a step logged twice: its last line counts)."""
+
+    KEYS = (*TIMING_KEYS, "eval_tokens_per_s")
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, "timings.jsonl")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and state.global_step == 0 and os.path.exists(self.path):
+            os.remove(self.path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        figures = {key: logs[key] for key in self.KEYS if (logs or {}).get(key) is not None}
+        if state.is_world_process_zero and figures:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, **figures}) + "\n")
 
 
 class RecipeWandbCallback(WandbCallback):
@@ -154,7 +181,7 @@ class ProfileSteps(TrainerCallback):
 
 def callbacks(cfg: Config) -> list[TrainerCallback]:
     """What a recipe run adds to the Trainer's callbacks (StepProgress replaces the Trainer's own progress bar)."""
-    added: list[TrainerCallback] = [StepProgress()]
+    added: list[TrainerCallback] = [StepProgress(), TimingLog(cfg.train.output_dir)]
     if wandb_mode(cfg) != "disabled":
         added.append(RecipeWandbCallback(cfg))
     if cfg.train.profile_steps:
@@ -175,6 +202,7 @@ def summary(cfg: Config, trainer) -> dict:
         "real_tokens_per_s": totals["real_tokens"] / runtime if runtime else None,
         "final_loss": steps[-1]["loss"] if steps else None,
         "peak_mem_mb": trainer._meter.peak_mem_mb or None,  # timing figures stay out of the log history
+        **evaluation.summary(trainer),
     }
 
 
@@ -186,6 +214,7 @@ def print_summary(cfg: Config, trainer, figures: dict) -> None:
         ("tokens/s", f"{figures['real_tokens_per_s']:.0f}" if figures["real_tokens_per_s"] else "n/a"),
         ("final loss", f"{figures['final_loss']:.4f}" if figures["final_loss"] is not None else "n/a"),
         ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
+        *evaluation.summary_rows(figures),
         ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
     ]
     run, mode = wandb_run_dir(cfg), wandb_mode(cfg)

@@ -1,0 +1,227 @@
+"""Evaluation in a recipe run: when, what is logged, the best model and early stopping, the end-of-run figures.
+
+When: before the first step (the Trainer's `eval_on_start`, on a fresh start only: a resumed run's log history holds
+that evaluation already), every `eval.every_steps` optimizer steps (`eval_strategy="steps"`) and after the last step
+(`EvaluateAtEnd`). The eval loss is `TokenNormTrainer.evaluate()`'s exact token mean of the whole eval set; its
+micro-batches come through the Trainer's own evaluation loop with the eval set's collator (`HeldOutEvaluation`).
+
+Logged per evaluation: `eval_loss`, `eval_perplexity` (exp of the loss), `eval_label_tokens` (all of them in
+trainer_state.json's log history, which a resumed run reproduces) and `eval_tokens_per_s` (real tokens of the eval set
+÷ its wall time), which like the Trainer's eval runtime figures reaches the console and W&B but not the log history.
+
+Best model (`eval.best_checkpoint`) and early stopping (`eval.early_stopping_patience`) use the Trainer's own
+`metric_for_best_model="eval_loss"`: the lowest eval loss after a training step and its step are TrainerState's
+`best_metric` and `best_global_step` (saved in every checkpoint's trainer_state.json, so a resumed run continues from
+them); the model of a new best is written to `train.output_dir/best` (staged, then renamed into place: whole or
+absent), with best.json naming its step. Early stopping is transformers' EarlyStoppingCallback, whose counter is
+restored from the checkpoint on resume (`restore_callback_states_from_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from finetune.recipe import Config, evaluates
+from finetune.training.checkpoints import commit, staging_root, write_error, write_failure
+
+BEST = "best"  # train.output_dir/best: the model of the lowest eval loss (eval.best_checkpoint)
+BEST_FILE = "best.json"
+# measured, not reproducible: to the console and W&B, not to trainer_state.json (as meter.TIMING_KEYS for steps)
+EVAL_TIMING_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_tokens_per_s")
+EVAL_FIELDS = [  # (log key, label, format) of the console line per evaluation
+    ("eval_loss", "loss", "{:.4f}"), ("eval_perplexity", "ppl", "{:.2f}"), ("eval_label_tokens", "targets", "{:,.0f}"),
+    ("eval_tokens_per_s", "tok/s", "{:.0f}"),
+]
+
+
+@dataclass
+class EvalSetup:
+    collator: Callable  # the eval set's (eval.batching), for the Trainer's evaluation loop
+    tokens: int  # real tokens of the eval set: eval tokens/s
+    keep_best: bool  # eval.best_checkpoint
+
+
+def training_arguments(cfg: Config) -> dict:
+    """TrainingArguments of the recipe's evaluation (none without an eval set)."""
+    ev = cfg.eval
+    if not evaluates(cfg):
+        return {}
+    args = {"eval_strategy": "steps" if ev.every_steps else "no", "per_device_eval_batch_size": 1}  # items: batches
+    if ev.every_steps:
+        args["eval_steps"] = ev.every_steps
+    if ev.best_checkpoint or ev.early_stopping_patience:
+        args.update(metric_for_best_model="eval_loss", greater_is_better=False)
+    if ev.early_stopping_patience:
+        args["restore_callback_states_from_checkpoint"] = True  # the patience counter resumes
+    return args
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class HeldOutEvaluation:
+    """Mixed into RecipeTrainer (before TokenNormTrainer): the eval set's collator, the evaluation before the first step
+    of a fresh run, perplexity and eval tokens/s per evaluation, the best model."""
+
+    def __init__(self, *args, eval_setup: EvalSetup | None = None, **kwargs):
+        self.eval_setup = eval_setup
+        self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
+        super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.eval_setup is not None:
+            self.args.eval_on_start = not resume_from_checkpoint
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._pause_meter(started)
+
+    def _pause_meter(self, started: float) -> None:
+        """The step meter's clock skips an evaluation (and a best-model save): training tokens/s stay training's."""
+        meter = getattr(self, "_meter", None)
+        if meter is not None:
+            meter.since += time.perf_counter() - started
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if self.eval_setup is None:
+            return super().get_eval_dataloader(eval_dataset)
+        collator, self.data_collator = self.data_collator, self.eval_setup.collator
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = collator
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        evaluation = self.eval_setup is not None and "eval_loss" in logs
+        if evaluation:
+            logs["eval_perplexity"] = perplexity(logs["eval_loss"])
+            if logs.get("eval_runtime"):
+                logs["eval_tokens_per_s"] = self.eval_setup.tokens / logs["eval_runtime"]
+                self.eval_speeds.append(logs["eval_tokens_per_s"])
+        super().log(logs, start_time)
+        if evaluation:  # callbacks saw them; the saved history keeps what a resumed run reproduces
+            for key in EVAL_TIMING_KEYS:
+                self.state.log_history[-1].pop(key, None)
+
+    def _determine_best_metric(self, metrics, trial) -> bool:
+        new_best = super()._determine_best_metric(metrics, trial)
+        if new_best and self.eval_setup is not None:
+            self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
+            if self.eval_setup.keep_best:
+                started = time.perf_counter()
+                self._save_best()
+                self._pause_meter(started)
+        return new_best
+
+    def _save_best(self) -> None:
+        """The model (and tokenizer or processor) into output_dir/best: staged, then renamed into place."""
+        out = self.args.output_dir
+        staged, final = os.path.join(staging_root(out), BEST), os.path.join(out, BEST)
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        try:
+            self.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+            if self.args.should_save:
+                with open(os.path.join(staged, BEST_FILE), "w") as f:
+                    json.dump({"step": self.state.global_step, "eval_loss": self.state.best_metric}, f)
+                commit(staged, final)
+        except Exception as e:
+            if write_failure(e) is None:
+                raise
+            shutil.rmtree(staging_root(out), ignore_errors=True)
+            raise write_error(out, "the best model", write_failure(e)) from None
+        if self.args.should_save:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging_root(out))  # when empty
+            tqdm.write(f"best eval loss so far ({self.state.best_metric:.4f}): model saved to {final}")
+        self.accelerator.wait_for_everyone()
+
+
+class EvaluateAtEnd(TrainerCallback):
+    """An evaluation after the last optimizer step, whether or not eval.every_steps divides the run."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_evaluate = True
+
+
+def callbacks(cfg: Config, prompts: list) -> list[TrainerCallback]:
+    """What an evaluating recipe adds to the Trainer's callbacks; `prompts`: finetune.data.prompts.SamplePrompt."""
+    from finetune.training.samples import GenerateSamples
+
+    added: list[TrainerCallback] = [EvaluateAtEnd()]
+    if prompts:
+        added.append(GenerateSamples(prompts, cfg.eval.max_new_tokens))
+    if cfg.eval.early_stopping_patience:
+        added.append(EarlyStoppingCallback(cfg.eval.early_stopping_patience))
+    return added
+
+
+def eval_line(logs: dict, step: int, max_steps: int) -> str:
+    fields = [f"{label} {fmt.format(logs[key])}" for key, label, fmt in EVAL_FIELDS if logs.get(key) is not None]
+    return f"eval at step {step}/{max_steps}  " + "  ".join(fields)
+
+
+# ---- the end-of-run figures ----
+
+
+def summary(trainer) -> dict:
+    """First and last evaluation, the lowest eval loss and its step, the best model's folder, early stopping."""
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    lowest = min(evals, key=lambda e: e["eval_loss"])
+    figures = {
+        "eval_loss_first": first["eval_loss"], "eval_first_step": first["step"], "eval_loss": last["eval_loss"],
+        "eval_step": last["step"], "eval_perplexity": perplexity(last["eval_loss"]),
+        "eval_label_tokens": last.get("eval_label_tokens"), "evaluations": len(evals),
+        "eval_tokens_per_s": trainer.eval_speeds[-1] if getattr(trainer, "eval_speeds", None) else None,
+        "eval_loss_lowest": lowest["eval_loss"], "eval_lowest_step": lowest["step"],
+    }
+    setup = getattr(trainer, "eval_setup", None)
+    best = os.path.join(trainer.args.output_dir, BEST)
+    if setup is not None and setup.keep_best and trainer.state.best_global_step and os.path.isdir(best):
+        figures.update(best_step=trainer.state.best_global_step, best_eval_loss=trainer.state.best_metric,
+                       best_model=os.path.abspath(best))
+    stopper = next((c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)), None)
+    if stopper is not None and stopper.early_stopping_patience_counter >= stopper.early_stopping_patience:
+        figures["stopped_early_at"] = trainer.state.global_step
+    return figures
+
+
+def summary_rows(figures: dict) -> list[tuple[str, str]]:
+    """Rows of the end-of-run table, from `summary`'s figures."""
+    if "eval_loss" not in figures:
+        return []
+    first, last = figures["eval_loss_first"], figures["eval_loss"]
+    change = f", {(last - first) / first:+.1%}" if first else ""
+    rows = [("eval loss", f"{first:.4f} at step {figures['eval_first_step']} → {last:.4f} at step "
+                          f"{figures['eval_step']}{change} ({figures['evaluations']} evaluations)"),
+            ("eval perplexity", f"{figures['eval_perplexity']:.2f}"),
+            ("eval targets", f"{figures['eval_label_tokens'] or 0:,}" + (
+                f" at {figures['eval_tokens_per_s']:.0f} tokens/s" if figures["eval_tokens_per_s"] else ""))]
+    if "best_model" in figures:
+        rows.append(("best model", f"step {figures['best_step']} (eval loss {figures['best_eval_loss']:.4f}): "
+                                   f"{figures['best_model']}"))
+    else:
+        rows.append(("lowest eval loss", f"{figures['eval_loss_lowest']:.4f} at step {figures['eval_lowest_step']}"))
+    if "stopped_early_at" in figures:
+        rows.append(("stopped early", f"at step {figures['stopped_early_at']} (eval.early_stopping_patience)"))
+    return rows
