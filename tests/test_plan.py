@@ -44,6 +44,7 @@ def step_high_water_mark(trials, value) -> float:
     return rss_high_water_mark()
 
 
+@pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
 def test_the_choice_fits_and_keeps_the_global_batch(debug32):
     cfg, trials = debug32
     # Just less memory than a step at micro-batch 32 takes: the plan must pick a smaller micro-batch that fits.
@@ -57,6 +58,7 @@ def test_the_choice_fits_and_keeps_the_global_batch(debug32):
     assert step_high_water_mark(trials, result.value) <= memory
 
 
+@pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
 def test_nothing_fits_says_what_it_measured(debug32):
     cfg, trials = debug32
     with pytest.raises(RecipeError, match=r"nothing fits: train.micro_batch_size=1 \(128 tokens of the longest row\) "
@@ -64,6 +66,7 @@ def test_nothing_fits_says_what_it_measured(debug32):
         planner.plan(cfg, 1, memory_gib=0.1, trials=trials)
 
 
+@pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
 def test_token_budget_plans_the_budget():
     cfg = load_config([DEBUG, "data.batching=token_budget", "data.max_tokens_per_micro_batch=128",
                        "train.global_batch_tokens=512"])
