@@ -149,6 +149,66 @@ class Trials:
     def tokens(self, value: int) -> int:
         return self.items(value)[1]
 
+    # ---- evaluation: a forward without gradients, then generation ----
+
+    def eval_items(self) -> tuple[list, int, int]:
+        """The worst-case eval micro-batch (copies of the eval set's longest row, eval.micro_batch_size of them or as
+        many as eval.max_tokens_per_micro_batch holds), as its collator takes it; (items, rows, tokens)."""
+        rows = self.trainer.eval_dataset.rows
+        row = dict(max(rows, key=lambda r: len(r["input_ids"])))
+        length, budget = len(row["input_ids"]), self.cfg.eval.max_tokens_per_micro_batch
+        count = max(1, budget // length) if budget else self.cfg.eval.micro_batch_size
+        return [[dict(row) for _ in range(count)]], count, count * length
+
+    def eval_peak(self) -> tuple[float, float]:
+        """One eval forward (no gradients, eval mode) on the worst-case eval micro-batch, as the Trainer's evaluation
+        loop runs it: (memory before, peak memory), bytes; torch.OutOfMemoryError on a GPU."""
+        import gc
+
+        import torch
+
+        batch = self.trainer.eval_setup.collator(self.eval_items()[0])
+        self.model.zero_grad(set_to_none=True)  # between optimizer steps the gradients are gone
+        gc.collect()
+        profiler = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_reserved(self.device)
+        else:
+            before = trimmed_rss()
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            with quiet_stderr():
+                profiler.start()
+        self.model.eval()
+        try:
+            self.trainer.prediction_step(self.model, batch, prediction_loss_only=True)
+        finally:
+            self.model.train()
+            if profiler:
+                with quiet_stderr():
+                    profiler.stop()
+            del batch
+        peak = torch.cuda.max_memory_reserved(self.device) if self.on_gpu else before + peak_allocation(profiler)
+        return float(before), float(peak)
+
+    def kv_cache_bytes(self) -> tuple[float, int]:
+        """(bytes, tokens) of the KV cache generating a sample from the longest sample prompt: keys and values of
+        every layer for the prompt and eval.max_new_tokens."""
+        from finetune.training.samples import GenerateSamples
+
+        samples = [c for c in self.trainer.callback_handler.callbacks if isinstance(c, GenerateSamples)]
+        if not samples:
+            return 0.0, 0
+        prompt = max(p.inputs["input_ids"].shape[1] for p in samples[0].prompts)
+        tokens = prompt + self.cfg.eval.max_new_tokens
+        config = self.model.config.get_text_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        width = next(self.model.parameters()).element_size()
+        return 2.0 * config.num_hidden_layers * kv_heads * head_dim * tokens * width, tokens
+
 
 @contextlib.contextmanager
 def quiet_stderr():

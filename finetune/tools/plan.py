@@ -15,6 +15,9 @@ freeze, checkpointing as recipe'd) on the worst case: copies of the dataset's lo
   the RSS before the step plus the peak of tensor bytes the step allocated (torch's profiler: exact, where the RSS
   high-water mark also counts what the C allocator keeps), and a least-squares line in tokens predicts the rest.
 
+With an eval set, one eval forward (no gradients) on the worst-case eval micro-batch is measured too, and the KV cache
+of generating the samples added (finetune/training/samples.py): the run's peak is the larger of training's and that.
+
 The limit is (1 − plan.headroom) × (plan.memory_gib, or the GPU's memory, or this process's RSS + the RAM available),
 shared by the ranks of one machine on CPU. Under several ranks the trials run without DDP, which then adds one copy
 of the trainable gradients (its buckets); that copy is added to every figure. `train.micro_batch_size: auto` runs
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 from finetune import env
 from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
+from finetune.tools.boundary import run_command
 from finetune.tools.memory_trials import Trials, available_bytes, fit_line
 
 HEADROOM = 0.10
@@ -53,6 +57,8 @@ class Plan:
     how: str  # what was measured
     measured: dict[int, float] = field(default_factory=dict)  # candidate → measured peak bytes
     predicted: dict[int, float] = field(default_factory=dict)  # candidate → expected peak bytes
+    eval_bytes: float = 0.0  # expected peak per rank while evaluating (eval micro-batch, then the generate KV cache)
+    eval_text: str = ""
 
     def describe(self) -> str:
         per = f"{self.value} {self.unit}" if self.unit == "tokens" else f"{self.value}"
@@ -62,6 +68,7 @@ class Plan:
             f"  micro-batch {per}, accumulation {self.accumulation}, {self.ranks} rank{'s' if self.ranks != 1 else ''}"
             f" → global batch {self.global_batch} {self.unit} (kept)",
             f"  expected peak memory {self.peak_bytes / GIB:.2f} GiB per rank",
+            *([f"  eval: {self.eval_text}"] if self.eval_text else []),
             f"  lr {self.lr_text}",
             f"  set: {self.key}={self.value}",
         ])
@@ -177,8 +184,33 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
     lr = schedules.scaled_lr(cfg.optim.lr, total, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
     lr_text = f"{lr:g}" + (f" ({cfg.optim.lr_scaling} rule from {cfg.optim.lr:g} at base {cfg.optim.base_batch_size})"
                            if cfg.optim.lr_scaling != "none" else " (no scaling rule; the global batch is kept)")
-    return Plan(key, value, total // (value * ranks), ranks, total, unit, predicted[value], limit, limit_text, lr,
-                lr_text, how, measured, predicted)
+    eval_bytes, eval_text = eval_memory(trials, ddp, limit, limit_text)
+    return Plan(key, value, total // (value * ranks), ranks, total, unit, max(predicted[value], eval_bytes), limit,
+                limit_text, lr, lr_text, how, measured, predicted, eval_bytes, eval_text)
+
+
+def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tuple[float, str]:
+    """(expected peak bytes, a line) of an evaluation: a forward without gradients on the worst-case eval micro-batch
+    (measured), and the KV cache of generating a sample (computed); a RecipeError when it does not fit."""
+    if getattr(trials.trainer, "eval_setup", None) is None:
+        return 0.0, ""
+    _, rows, tokens = trials.eval_items()
+    try:
+        before, peak = trials.eval_peak()
+    except trials.oom:
+        before, peak = 0.0, math.inf
+    cache, cache_tokens = trials.kv_cache_bytes()
+    expected = max(peak, before + cache) + ddp
+    if expected > limit:
+        raise RecipeError(
+            f"evaluation does not fit: the eval micro-batch of {rows} rows ({tokens} tokens of the longest eval row) "
+            + ("ran out of memory" if peak == math.inf else f"needs {expected / GIB:.2f} GiB")
+            + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower eval.micro_batch_size or "
+            "eval.max_tokens_per_micro_batch"
+        )
+    return expected, (f"micro-batch of {rows} rows ({tokens} tokens of the longest eval row), no gradients: expected "
+                      f"peak {expected / GIB:.2f} GiB per rank, measured; generate KV cache {cache / 2**20:.1f} MiB "
+                      f"({cache_tokens} tokens of the longest sample prompt + eval.max_new_tokens)")
 
 
 def resolve_auto_micro_batch(cfg: Config) -> None:
@@ -211,13 +243,12 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         rest, options = split_args(argv)
         cfg = load_config(rest)
         ranks = options["ranks"] or env.world_size()
-        result = plan(cfg, ranks, options["headroom"], options["memory_gib"])
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(result.describe(), flush=True)
-    return 0
+        print(plan(cfg, ranks, options["headroom"], options["memory_gib"]).describe(), flush=True)
+        return 0
+
+    return run_command(body)  # one `error:` line for what the user can fix, a traceback for a bug

@@ -25,7 +25,8 @@ a recipe error:
 The figures measured on the shipped recipes are in the README ("How exact").
 
 Changed for the check, none of which can change the gradient: output in a temporary directory (removed after), no
-checkpoints, W&B off, no resume, `data.num_workers=0` (rows are recorded in this process). Dropout is switched off in
+checkpoints, W&B off, no resume, no evaluation (rows an eval.fraction holds out stay out of training all the same),
+`data.num_workers=0` (rows are recorded in this process). Dropout is switched off in
 the trained model and the reference alike, so the step is deterministic.
 """
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 from finetune.env import is_main_process, world_size
 from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
+from finetune.tools.boundary import run_command
 from finetune.tools.reference_check import (
     WindowRecorder,
     compare,
@@ -72,7 +74,7 @@ def split_args(argv: list[str]) -> tuple[list[str], int, float | None]:
     """(recipe arguments, verify.steps, verify.tolerance): the verify.* keys are this tool's, not the recipe's."""
     rest, given = split_tool_args(argv, "verify", {"steps": int, "tolerance": float})
     for name, number in given.items():
-        if number <= 0:
+        if not 0 < number < math.inf:  # NaN too
             raise RecipeError(f"verify.{name}={number} must be positive")
     return rest, given.get("steps", 1), given.get("tolerance")
 
@@ -99,7 +101,7 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     cfg.train.save_steps, cfg.train.resume_from, cfg.log.wandb_mode, cfg.data.num_workers = 0, None, "disabled", 0
     with tempfile.TemporaryDirectory(prefix="finetune-verify-") as output_dir:
         cfg.train.output_dir = output_dir
-        trainer = build(cfg, trainer_cls=trainer_cls)
+        trainer = build(cfg, trainer_cls=trainer_cls, evaluate=False)  # held-out rows stay out, unevaluated
         silence_dropout(trainer.model)
         trainer.train()
     if not is_main_process():
@@ -180,21 +182,18 @@ def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         rest, steps, tolerance = split_args(argv)
         cfg = load_config(rest)
         default_tolerance, precision = tolerance_for(cfg)
-        tolerance = tolerance or default_tolerance
         checks = run(cfg, steps)
-    except RecipeError as e:
-        if is_main_process():
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not is_main_process():
-        return 0
-    if not checks:
-        print("error: the run made no optimizer step; is the data empty?", file=sys.stderr)
-        return 2
-    text, passed = report(checks, tolerance, precision, world_size())
-    print(text, flush=True)
-    return 0 if passed else 1
+        if not is_main_process():
+            return 0
+        if not checks:
+            raise RecipeError("the run made no optimizer step; is the data empty?")
+        text, passed = report(checks, tolerance or default_tolerance, precision, world_size())
+        print(text, flush=True)
+        return 0 if passed else 1
+
+    return run_command(body)  # one `error:` line for what the user can fix, a traceback for a bug
