@@ -311,3 +311,26 @@ def test_verify_and_plan_work_with_eval_keys(tmp_path, capsys):
     assert plan.main([*DEBUG, *HELD_OUT, "eval.micro_batch_size=4"]) == 0
     shown = capsys.readouterr().out
     assert "eval: micro-batch of 4 rows" in shown and "KV cache" in shown
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
+    """12 eval rows in 3 micro-batches on 2 ranks: a fourth, target-free one pads them, so no rank repeats a row; the
+    samples run the same number of steps on both ranks (no hang)."""
+    common = [*DEBUG, *HELD_OUT, "eval.micro_batch_size=5", "eval.samples=1", "eval.max_new_tokens=3",
+              "train.max_steps=2", "optim.name=sgd", "optim.lr=0.5"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for cmd in ([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
+                [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+                 "finetune/train.py", *common, f"train.output_dir={two}"]):
+        result = subprocess.run(cmd, cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    evals = [eval_entries(json.loads((out / "trainer_state.json").read_text())["log_history"]) for out in (one, two)]
+    assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]] == [0, 2]
+    for a, b in zip(*evals):
+        assert b["eval_label_tokens"] == a["eval_label_tokens"]
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)

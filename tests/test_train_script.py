@@ -77,6 +77,10 @@ def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(t
         env={"WANDB_MODE": "offline"},
     )
     assert len(step_logs(out)) == 2
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = [e for e in history if "eval_loss" in e]  # held-out rows, before the first step and at the end
+    assert [e["step"] for e in evals] == [0, 2] and all(e["eval_label_tokens"] > 0 for e in evals)
+    assert "eval at step 0/2  loss " in result.stdout and result.stdout.count("  held out 1: What ") == 2
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and f"wandb sync {runs[0]}" in result.stdout
 

@@ -508,9 +508,12 @@ def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_pat
          "log.wandb_mode=disabled"],
         env={"ACCELERATE_USE_CPU": "true"},
     )
-    assert "shapes_captions (messages+images): 16 of 16 rows kept" in result.stdout
+    assert "shapes_captions (messages+images): 14 of 14 rows kept" in result.stdout  # 2 held out (eval.fraction)
     logs = step_logs(out)
     assert len(logs) == 2 and all(e["window_label_tokens"] > 0 for e in logs)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "eval_loss" in e] == [0, 2]  # before the first step and at the end
+    assert result.stdout.count("  held out 1: [image] ") == 2
     model, answer, generated = ask_about_an_image(out, shapes_captions.render(shapes_captions.scene(1)), 8)
     assert generated == 8 and answer.strip()
     assert type(model).__name__ == "LlavaForConditionalGeneration"

@@ -99,7 +99,8 @@ def split_records(records: list[Record], fraction: float, seed: int, source: str
     held_out = [records[i] for i in sorted(chosen)]
     rng.shuffle(held_out)
     kind = "module" if source == "stdlib_docs" else "distinct row"
-    how = f"{len(chosen):,} rows ({len(held)} {kind}{'s' if len(held) != 1 else ''}) held out of {source}"
+    how = (f"{len(chosen):,} row{'s' if len(chosen) != 1 else ''} ({len(held)} {kind}{'s' if len(held) != 1 else ''}) "
+           f"held out of {source}")
     return [r for i, r in enumerate(records) if i not in chosen], held_out, how
 
 
