@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from finetune import env
 from finetune.recipe.schema import CHOICES, Config, DataConfig, RecipeError, choice_error
+
+COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -59,33 +63,77 @@ def accumulation_steps(config: Config, ranks: int) -> int:
     return total // per_micro_step
 
 
+def _number_text(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def bounds_text(bounds: dict) -> str:
+    """What a key's bounds (schema.number) ask, in words: positive, ≥ 0, in [0, 1), …"""
+    low, high = bounds["min"], bounds["max"]
+    if low is not None and high is not None:
+        return (f"in {'(' if bounds['min_exclusive'] else '['}{_number_text(low)}, {_number_text(high)}"
+                f"{')' if bounds['max_exclusive'] else ']'}")
+    if low is not None:
+        if low == 0:
+            return "positive" if bounds["min_exclusive"] else "≥ 0"
+        return f"{'>' if bounds['min_exclusive'] else '≥'} {_number_text(low)}"
+    if high is not None:
+        return f"{'<' if bounds['max_exclusive'] else '≤'} {_number_text(high)}"
+    return "a finite number"
+
+
+def out_of_bounds(value: Any, bounds: dict) -> bool:
+    """A number outside its bounds, NaN or ±inf; other values (None, auto) are for the cross-field checks."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if not math.isfinite(value):
+        return True
+    low, high = bounds["min"], bounds["max"]
+    below = low is not None and (value < low or (bounds["min_exclusive"] and value == low))
+    return below or (high is not None and (value > high or (bounds["max_exclusive"] and value == high)))
+
+
+def _check_finite(value: Any, key: str) -> None:
+    """Open maps (model.config_overrides, …): their keys belong to the model, so only finiteness is known here."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(f"{key}={value} is not a finite number; fix the value")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, item in items:
+        _check_finite(item, f"{key}.{name}" if isinstance(value, dict) else f"{key}[{name}]")
+
+
+def check_numbers(section: Any, prefix: str = "") -> None:
+    """Every numeric key against the bounds the schema declares for it (schema.number), each number of a list or map
+    key included; and every number in the open maps finite. The messages are worded from the bounds."""
+    for f in fields(section):
+        key, value = prefix + f.name, getattr(section, f.name)
+        if is_dataclass(value):
+            check_numbers(value, key + ".")
+            continue
+        bounds = f.metadata.get("number")
+        if bounds is None:
+            if isinstance(value, (dict, list)):
+                _check_finite(value, key)
+            continue
+        hint = f" ({bounds['hint']})" if bounds["hint"] else ""
+        if isinstance(value, list):
+            count = bounds["count"]
+            if (count is not None and len(value) != count) or any(out_of_bounds(v, bounds) for v in value):
+                many = f"{COUNT_WORDS.get(count, count)} numbers" if count else "numbers"
+                raise RecipeError(f"{key}={list(value)} must be {many} {bounds_text(bounds)}{hint}")
+            continue
+        for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
+            if out_of_bounds(number, bounds):
+                where = key if name is None else f"{key}.{name}"
+                verb = "must be"
+                if not math.isfinite(number):
+                    verb = f"is not {'a number' if math.isnan(number) else 'finite'}; it must be"
+                raise RecipeError(f"{where}={number} {verb} {bounds_text(bounds)}{hint}")
+
+
 def check_optim_and_schedule(config: Config) -> None:
     """Optimizer and schedule keys that need no run length (warmup vs. run length: `schedules.check_schedule`)."""
-    o, s = config.optim, config.schedule
-    if o.lr_scaling != "none" and not o.base_batch_size:
-        unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
-        raise RecipeError(
-            f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
-            f"{unit})"
-        )
-    ranges = [  # (key, value, holds, what it must be)
-        ("optim.base_batch_size", o.base_batch_size, o.base_batch_size is None or o.base_batch_size > 0, "positive"),
-        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "≥ 0"),
-        ("optim.eps", o.eps, o.eps >= 0, "≥ 0"),
-        ("optim.momentum", o.momentum, 0 <= o.momentum < 1, "in [0, 1)"),
-        ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "two numbers in [0, 1)"),
-        ("optim.trust_coefficient", o.trust_coefficient, o.trust_coefficient > 0, "positive"),
-        ("schedule.warmup_steps", s.warmup_steps, s.warmup_steps >= 0, "≥ 0"),
-        ("schedule.warmup_ratio", s.warmup_ratio, 0 <= s.warmup_ratio < 1, "in [0, 1)"),
-        ("schedule.warmup_factor", s.warmup_factor, 0 < s.warmup_factor <= 1, "in (0, 1]"),
-        ("schedule.min_lr_ratio", s.min_lr_ratio, 0 <= s.min_lr_ratio <= 1, "in [0, 1]"),
-        ("schedule.pct_start", s.pct_start, 0 < s.pct_start < 1, "in (0, 1)"),
-        ("schedule.div_factor", s.div_factor, s.div_factor > 0, "positive"),
-        ("schedule.final_div_factor", s.final_div_factor, s.final_div_factor > 0, "positive"),
-    ]
-    for key, value, holds, what in ranges:
-        if not holds:
-            raise RecipeError(f"{key}={value} must be {what}")
+    s = config.schedule
     if s.warmup_steps > 0 and s.warmup_ratio > 0:
         raise RecipeError("set schedule.warmup_steps or schedule.warmup_ratio, not both")
     if s.name == "onecycle" and (s.warmup_steps > 0 or s.warmup_ratio > 0):
@@ -103,13 +151,24 @@ def check_config(config: Config) -> None:
     micro = config.train.micro_batch_size
     if isinstance(micro, str) and micro != "auto":
         raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
-    positive = ["train.global_batch_size", "data.max_length", "log.every_steps"]
-    positive += ["train.micro_batch_size"] if micro != "auto" else []
-    for key in positive:
-        if _get(config, key) < 1:
-            raise RecipeError(f"{key}={_get(config, key)} must be at least 1")
-    if config.optim.lr <= 0:
-        raise RecipeError(f"optim.lr={config.optim.lr} must be positive")
+    o = config.optim
+    if o.lr_scaling != "none" and not o.base_batch_size:
+        unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
+        raise RecipeError(
+            f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
+            f"{unit})"
+        )
+    check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
+    if not config.data.source.strip():
+        raise RecipeError("data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a "
+                          "hub dataset id")
+    if config.train.max_steps == 0:
+        raise RecipeError("train.max_steps=0 makes no optimizer step; set a positive number of steps, or -1 to train "
+                          "for train.epochs")
+    if micro == "auto" and config.data.streaming:
+        raise RecipeError("train.micro_batch_size=auto plans with the data's longest rows, which data.streaming=true "
+                          "does not know up front; set a number (python -m finetune.plan with data.streaming=false "
+                          "shows one)")
     if config.train.max_steps < 1 and config.train.epochs <= 0:
         raise RecipeError("set train.max_steps to a positive number of optimizer steps or train.epochs above 0")
     profile = config.train.profile_steps
@@ -117,10 +176,6 @@ def check_config(config: Config) -> None:
         raise RecipeError(
             f"train.profile_steps={list(profile)} must be [first, last] optimizer steps, 1 ≤ first ≤ last"
         )
-    if config.log.peak_tflops is not None and config.log.peak_tflops <= 0:
-        raise RecipeError(f"log.peak_tflops={config.log.peak_tflops} must be positive (the device's peak TFLOP/s)")
-    if config.train.max_grad_norm < 0:
-        raise RecipeError(f"train.max_grad_norm={config.train.max_grad_norm} must be ≥ 0 (0 turns clipping off)")
     if config.data.streaming and config.train.max_steps < 1:
         raise RecipeError("data.streaming=true has no dataset length to count epochs by; set train.max_steps")
     if config.data.streaming and (config.data.batching == "length_grouped" or is_budgeted(config.data)):

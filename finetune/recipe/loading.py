@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from finetune.recipe.checks import check_config
 from finetune.recipe.schema import OPEN_DICTS, Config, RecipeError
+from finetune.recipe.yaml_reader import parse_yaml, read_yaml_file
 
 BUILT_IN_RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # beside the package in a clone (editable install)
 
@@ -84,6 +84,8 @@ def recipe_file(name: str) -> Path:
     given = Path(name)
     if given.is_file():
         return given
+    if given.is_dir():
+        raise RecipeError(f"recipe={name} is a folder; pass one YAML file (e.g. recipe=recipes/debug.yaml)")
     if given.name == name:  # a bare name, no folder: a built-in recipe
         for candidate in (BUILT_IN_RECIPES / name, BUILT_IN_RECIPES / f"{name}.yaml"):
             if candidate.is_file():
@@ -93,10 +95,7 @@ def recipe_file(name: str) -> Path:
 
 def _read_recipe(file: Path) -> dict:
     path = str(file)
-    try:
-        data = yaml.safe_load(file.read_text())  # safe_load: a recipe can never construct Python objects
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    data = read_yaml_file(file)  # safe: a recipe can never construct Python objects; no key twice; aliases bounded
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -130,9 +129,11 @@ def _parse_override(arg: str) -> tuple[str, Any]:
     if not equals:
         raise RecipeError(f"argument '{arg}' is not key=value; write e.g. optim.lr=1e-5 or recipe=recipes/debug.yaml")
     try:
-        parsed = yaml.safe_load(value) if value != "" else ""
-    except yaml.YAMLError:
-        parsed = value
+        parsed = parse_yaml(value, f"command line: {key.strip()}") if value != "" else ""
+    except RecipeError as e:
+        if "not valid YAML" not in str(e):
+            raise  # a key twice, or aliases that expand too far
+        parsed = value  # not YAML: the text itself (a path with a colon, …)
     return key.strip(), parsed
 
 

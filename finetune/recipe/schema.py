@@ -20,12 +20,24 @@ def one_of(*choices: str, default: str | None = None) -> Any:
     return field(default=choices[0] if default is None else default, metadata={"choices": choices})
 
 
+def number(default: Any = None, *, min: float | None = None, max: float | None = None, min_exclusive: bool = False,
+           max_exclusive: bool = False, count: int | None = None, hint: str = "") -> Any:
+    """A numeric key (or a list or map of numbers, each checked): finite, within [min, max] (or the open ends).
+    `checks.check_numbers` checks every such key and words its message from these bounds; `count`: a list's length,
+    `hint`: what the bound means, added to the message."""
+    bounds = {"min": min, "max": max, "min_exclusive": min_exclusive, "max_exclusive": max_exclusive,
+              "count": count, "hint": hint}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"number": bounds})
+    return field(default=default, metadata={"number": bounds})
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
+    r: int = number(8, min=1)
+    alpha: int = number(16, min=0, min_exclusive=True)
+    dropout: float = number(0.0, min=0, max=1, max_exclusive=True)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
 
@@ -50,14 +62,14 @@ class DataConfig:
     source: str = "stdlib_docs"  # stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id
     split: str = "train"
     format: str = one_of("auto", "messages", "prompt_completion", "text")
-    max_length: int = 1024
+    max_length: int = number(1024, min=1)
     truncation: str = one_of("right", "drop", "error")
     loss_on: str = one_of("assistant", "completion", "all")
     on_bad_row: str = one_of("error", "skip")
-    limit: int | None = None  # keep the first N rows (quick runs)
+    limit: int | None = number(None, min=1)  # keep the first N rows (quick runs)
     batching: str = one_of("padded", "length_grouped", "token_budget", "packed")
-    max_tokens_per_micro_batch: int | None = None  # token_budget only
-    num_workers: int = 0
+    max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget only
+    num_workers: int = number(0, min=0)
     streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
 
 
@@ -66,49 +78,54 @@ class TrainConfig:
     output_dir: str = "outputs/run"
     # sequences per micro-batch per rank, or auto: the largest that fits this machine with the global batch kept
     # (`python -m finetune.plan` shows the choice; training plans it at start)
-    micro_batch_size: int | str = 8
-    global_batch_size: int = 8  # sequences per optimizer step over all ranks
-    global_batch_tokens: int | None = None  # computed tokens per optimizer step, for token-budgeted batching
-    max_steps: int = -1
-    epochs: float = 1.0
+    micro_batch_size: int | str = number(8, min=1)
+    global_batch_size: int = number(8, min=1)  # sequences per optimizer step over all ranks
+    # computed tokens per optimizer step, for token-budgeted batching
+    global_batch_tokens: int | None = number(None, min=1)
+    max_steps: int = number(-1, min=-1, hint="-1: train for train.epochs")
+    epochs: float = number(1.0, min=0)
     precision: str = one_of("fp32", "bf16", "fp16")
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    save_steps: int = 0  # 0: save only at the end
-    save_total_limit: int | None = None
+    max_grad_norm: float = number(1.0, min=0, hint="0 turns clipping off")
+    seed: int = number(42, min=0, max=2**32 - 1)  # NumPy's seed range
+    save_steps: int = number(0, min=0, hint="0: save only at the end")
+    save_total_limit: int | None = number(None, min=1)  # checkpoints kept (None: all)
     resume_from: str | None = None  # auto (the newest complete checkpoint in output_dir, else start) | PATH
+    # a resume whose data order would differ (other data, seed, ranks or batch sizes): an error, or allowed
+    resume_data_order_change: str = one_of("error", "allow")
     # NaN/inf loss or gradients: skip the update (counted as nonfinite_skipped), or stop the run
     on_nonfinite: str = one_of("skip", "stop")
     gradient_checkpointing: bool = False
-    profile_steps: list[int] = field(default_factory=list)  # [first, last] optimizer steps under torch.profiler
+    profile_steps: list[int] = number([], min=1)  # [first, last] optimizer steps under torch.profiler
     sync_each_batch: bool = False  # reduce gradients after every micro-batch: less memory under FSDP, more traffic
 
 
 @dataclass
 class OptimConfig:
     name: str = one_of("adamw", "sgd", "lamb", "lars")
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    momentum: float = 0.9  # sgd, lars
-    trust_coefficient: float = 0.001  # lars
+    lr: float = number(1e-4, min=0, min_exclusive=True)
+    weight_decay: float = number(0.0, min=0)
+    betas: list[float] = number([0.9, 0.999], min=0, max=1, max_exclusive=True, count=2)
+    eps: float = number(1e-8, min=0)
+    momentum: float = number(0.9, min=0, max=1, max_exclusive=True)  # sgd, lars
+    trust_coefficient: float = number(0.001, min=0, min_exclusive=True)  # lars
     lr_scaling: str = one_of("none", "linear", "sqrt")
-    base_batch_size: int | None = None  # the batch optim.lr was tuned for (with lr_scaling)
-    lr_multipliers: dict[str, float] = field(default_factory=dict)  # module-name prefix -> lr factor
+    # the batch optim.lr was tuned for (with lr_scaling)
+    base_batch_size: int | None = number(None, min=0, min_exclusive=True)
+    # module-name prefix -> lr factor
+    lr_multipliers: dict[str, float] = number({}, min=0, min_exclusive=True, hint="model.freeze keeps modules fixed")
 
 
 @dataclass
 class ScheduleConfig:
     name: str = one_of("onecycle", "warmup_cosine", "linear", "constant", default="constant")
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
+    warmup_steps: int = number(0, min=0)
+    warmup_ratio: float = number(0.0, min=0, max=1, max_exclusive=True)
     warmup: str = one_of("linear", "quadratic", "constant")
-    warmup_factor: float = 0.1  # the lr factor held during a constant warmup
-    min_lr_ratio: float = 0.0  # warmup_cosine floor, as a fraction of the peak lr
-    pct_start: float = 0.1  # onecycle
-    div_factor: float = 25.0  # onecycle: initial lr = peak / div_factor
-    final_div_factor: float = 1e4  # onecycle: final lr = initial / final_div_factor
+    warmup_factor: float = number(0.1, min=0, max=1, min_exclusive=True)  # the lr factor held during a constant warmup
+    min_lr_ratio: float = number(0.0, min=0, max=1)  # warmup_cosine floor, as a fraction of the peak lr
+    pct_start: float = number(0.1, min=0, max=1, min_exclusive=True, max_exclusive=True)  # onecycle
+    div_factor: float = number(25.0, min=0, min_exclusive=True)  # onecycle: initial lr = peak / div_factor
+    final_div_factor: float = number(1e4, min=0, min_exclusive=True)  # onecycle: final lr = initial / final_div_factor
     anneal: str = one_of("cos", "linear")  # onecycle
 
 
@@ -119,8 +136,9 @@ class LogConfig:
     wandb_mode: str = one_of("auto", "offline", "online", "disabled")
     wandb_project: str = "finetune"
     run_name: str | None = None
-    every_steps: int = 1
-    peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU; default: a table of common GPUs
+    every_steps: int = number(1, min=1)
+    # the device's peak TFLOP/s for MFU; default: a table of common GPUs
+    peak_tflops: float | None = number(None, min=0, min_exclusive=True)
 
 
 @dataclass
