@@ -1,7 +1,11 @@
 """The raw rows of the recipe's `data.source`, each with where it came from, and the counts kept while loading.
 
-Sources: `stdlib_docs` (built in, see finetune/data/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file or a folder of
-them (sorted, hidden files skipped); otherwise a hub dataset id. `data.limit` counts raw rows, bad ones included.
+Sources: `stdlib_docs` (built in, see finetune/data/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file (.jsonl, .json
+and .csv also gzip-compressed, `.gz`) or a folder of them (sorted, hidden files skipped; other files are skipped and
+named in the data line; a dangling link, an unreadable file or a data file compressed otherwise is an error); otherwise
+a hub dataset id. `data.limit` counts raw rows, bad ones included. JSON objects with a key twice are bad rows (JSON
+would keep the last); CSV cells stay text (`007` is not the number 7); a CSV row with more or fewer cells than the
+header is a bad row.
 `DataReport` holds what loading read, kept, dropped and skipped; `BadRow` is a row that cannot be used, and
 `reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (text.py), streaming
 (streaming.py) and image rows (vision.py) all read and count through this module.
@@ -9,14 +13,21 @@ them (sorted, hidden files skipped); otherwise a hub dataset id. `data.limit` co
 
 from __future__ import annotations
 
+import csv
+import gzip
+import io
 import json
-from dataclasses import dataclass
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from finetune.recipe import DataConfig, RecipeError
 
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+GZIP_KINDS = ("jsonl", "json", "csv")  # read through gzip when the name ends in .gz
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4", ".7z")
 PATH_SUFFIXES = set(FILE_KINDS) | {".txt", ".tsv", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
 
 Record = tuple[str, Any]  # (where: "file line 7", the raw row)
@@ -35,6 +46,7 @@ class DataReport:
     tokens: int = 0  # input tokens over the kept rows
     target_tokens: int = 0  # supervised targets after the causal shift
     streamed: bool = False  # data.streaming: rows are read as training goes, counts unknown at start
+    skipped_files: list[str] = field(default_factory=list)  # a folder's files that are not data files
 
     def summary(self) -> str:
         if self.streamed:
@@ -44,6 +56,9 @@ class DataReport:
             (self.dropped_no_supervised_tokens, "dropped without targets"), (self.bad_rows_skipped, "bad skipped"),
         ]
         extra = "".join(f", {n:,} {what}" for n, what in counts if n)
+        if self.skipped_files:  # said, never skipped in silence
+            names = ", ".join(self.skipped_files[:3]) + (", …" if len(self.skipped_files) > 3 else "")
+            extra += f"; {len(self.skipped_files)} other file(s) in the folder not read ({names})"
         return (
             f"{self.source} ({self.format}): {self.rows_kept:,} of {self.rows_read:,} rows kept{extra}; "
             f"{self.tokens:,} tokens, {self.target_tokens:,} targets"
@@ -89,19 +104,91 @@ def json_line_records(path: Path, lines, data: DataConfig, report: DataReport):
         report.rows_read += 1
         where = f"{path} line {number}"
         try:
-            record = json.loads(raw.decode("utf-8"))
+            record = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except UnicodeDecodeError:
             reject_row(data, report, where, "not UTF-8")
             continue
         except json.JSONDecodeError as e:
             reject_row(data, report, where, f"not valid JSON ({e.msg} at column {e.colno})")
             continue
+        except DuplicateKey as e:
+            reject_row(data, report, where, str(e))
+            continue
         yield where, record
 
 
+class DuplicateKey(ValueError):
+    pass
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a key twice in one object is an error (json.loads would keep the last)."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKey(f"key '{key}' appears twice in one object (JSON would keep only the last); remove one")
+    return found
+
+
+def file_kind(path: Path) -> str | None:
+    """jsonl | json | parquet | csv for a data file (also name.jsonl.gz, …), None for any other file."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz" and len(suffixes) > 1:
+        kind = FILE_KINDS.get(suffixes[-2])
+        return kind if kind in GZIP_KINDS else None
+    return FILE_KINDS.get(suffixes[-1]) if suffixes else None
+
+
+def open_data(path: Path):
+    """A data file opened for reading bytes, through gzip where its name ends in .gz."""
+    return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb")
+
+
+def read_error(path: Path, error: Exception) -> RecipeError:
+    why = getattr(error, "strerror", None) or (str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return RecipeError(f"{path}: cannot read it ({why}); check the file and its permissions")
+
+
+def csv_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Record]:
+    """(where, {column: text}) per CSV row, up to data.limit: every cell stays text, as written; a row with more or
+    fewer cells than the header is a bad row (data.on_bad_row)."""
+    csv.field_size_limit(2**31 - 1)  # a long completion is one cell; rows are cut to data.max_length later
+    with open_data(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f)
+        number = 0
+        try:
+            header = next(reader, None) or []
+            twice = sorted({c for c in header if header.count(c) > 1})
+            if twice:
+                raise RecipeError(f"{path}: column '{twice[0]}' appears twice in the header; rename one")
+            for cells in reader:
+                if not any(cell.strip() for cell in cells):
+                    continue  # a blank line
+                if not _room(data, report, 1):
+                    return
+                number += 1
+                report.rows_read += 1
+                where = f"{path} row {number}"
+                if len(cells) != len(header):
+                    reject_row(data, report, where, f"{len(cells)} cells on line {reader.line_num} but the header has "
+                               f"{len(header)} ({', '.join(header)}); a value holding a comma needs quotes")
+                    continue
+                yield where, dict(zip(header, cells))
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path} line {reader.line_num + 1}: not UTF-8 text; save the file as UTF-8") from None
+        except csv.Error as e:
+            raise RecipeError(f"{path} line {reader.line_num}: not valid CSV ({e})") from None
+        except (OSError, EOFError) as e:
+            raise read_error(path, e) from None
+
+
 def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Record]) -> None:
-    kind = FILE_KINDS[path.suffix.lower()]
-    if kind in ("parquet", "csv"):
+    kind = file_kind(path)
+    if kind == "csv":
+        out.extend(csv_records(path, data, report))
+        return
+    if kind == "parquet":
         import datasets
 
         try:
@@ -109,27 +196,60 @@ def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Recor
         except Exception as e:
             raise RecipeError(f"{path}: cannot read as {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
         return _take(table.select(range(_room(data, report, len(table)))).to_list(), f"{path} row", data, report, out)
-    content = path.read_bytes()
+    try:
+        with open_data(path) as f:
+            content = f.read()
+    except (OSError, EOFError) as e:  # unreadable, or a .gz that is cut or not gzip
+        raise read_error(path, e) from None
     if kind == "json" and content.lstrip().startswith(b"["):  # a JSON array; anything else is JSON lines
         try:
-            items = json.loads(content.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            items = json.loads(content.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        except (UnicodeDecodeError, json.JSONDecodeError, DuplicateKey) as e:
+            at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else (
+                "not UTF-8" if isinstance(e, UnicodeDecodeError) else str(e))
             raise RecipeError(f"{path}: not a valid JSON array ({at})") from None
         return _take(items, f"{path} item", data, report, out)
     out.extend(json_line_records(path, content.splitlines(), data, report))
 
 
-def folder_files(path: Path, source: str) -> list[Path]:
-    """The data files of a folder, sorted, hidden ones skipped."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_KINDS
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+def folder_files(path: Path, source: str, report: DataReport | None = None) -> list[Path]:
+    """The data files of a folder, sorted, hidden ones skipped; other files skipped and recorded in `report`. An entry
+    that cannot be read is an error naming it: a link to nothing (or a loop), a file without read permission, a data
+    file compressed in a way that is not read."""
+    try:
+        entries = sorted(p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(
+            path).parts))
+    except OSError as e:
+        raise RecipeError(f"data.source={source}: cannot list {e.filename or path} ({e.strerror}); check "
+                          "its permissions") from None
+    files, others = [], []
+    for p in entries:
+        if p.is_symlink() and not p.exists():
+            raise RecipeError(f"data.source={source}: {p} is a link to nothing ({os.readlink(p)}, or a loop); fix "
+                              "or remove it")
+        if p.is_dir():
+            continue
+        kind, suffixes = file_kind(p), [s.lower() for s in p.suffixes]
+        if kind is None and suffixes and suffixes[-1] in COMPRESSED and len(suffixes) > 1 and suffixes[-2] in (
+                FILE_KINDS):
+            raise RecipeError(f"data.source={source}: {p} is compressed ({suffixes[-1]}), which is not read; "
+                              f"decompress it (gzip, .gz, is read for {', '.join(GZIP_KINDS)})")
+        if kind is None:
+            others.append(str(p.relative_to(path)))
+        elif not p.is_file() or not os.access(p, os.R_OK):
+            raise RecipeError(f"data.source={source}: {p} cannot be read (not a regular file, or no read "
+                              "permission)")
+        else:
+            files.append(p)
     if not files:
-        raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files")
+        raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files"
+                          + (f" (only {', '.join(others[:3])})" if others else ""))
+    if report is not None:
+        report.skipped_files = others
     return files
 
 
-def local_files(source: str) -> list[Path] | None:
+def local_files(source: str, report: DataReport | None = None) -> list[Path] | None:
     """The data files data.source names (stdlib_docs: the built-in set's cached file; a folder: its data files), or
     None for a hub dataset id. Shared by reading and streaming, so both refuse the same sources the same way."""
     if source == "stdlib_docs":
@@ -138,11 +258,15 @@ def local_files(source: str) -> list[Path] | None:
         return [ensure_cached()]
     path = Path(source).expanduser()
     if path.is_dir():
-        return folder_files(path, source)
+        return folder_files(path, source, report)
     if path.is_file():
-        if path.suffix.lower() not in FILE_KINDS:
-            raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)}")
+        if file_kind(path) is None:
+            raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)} (.jsonl, "
+                              ".json and .csv may be gzip-compressed: .gz)")
         return [path]
+    if path.is_symlink():
+        raise RecipeError(f"data.source={source}: a link to nothing ({os.readlink(path)}, or a loop); fix the "
+                          "link or the path")
     if looks_like_path(source):
         raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
                           f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
@@ -152,7 +276,7 @@ def local_files(source: str) -> list[Path] | None:
 def read_records(data: DataConfig, report: DataReport) -> list[Record]:
     """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
     source, out = data.source, []
-    files = local_files(source)
+    files = local_files(source, report)
     if files is not None:
         for file in files:
             if _room(data, report, 1):

@@ -10,7 +10,6 @@ packing) do not apply.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import random
 from collections.abc import Iterator
@@ -19,15 +18,18 @@ from pathlib import Path
 import torch
 
 from finetune.data.sources import (
-    FILE_KINDS,
     BadRow,
     DataReport,
     Record,
+    csv_records,
+    file_kind,
     json_line_records,
     local_files,
+    open_data,
+    read_error,
     reject_row,
 )
-from finetune.data.text import blank_tokens, detect_format, fit_row, row_labels, row_strings
+from finetune.data.text import blank_tokens, char_limit, detect_format, fit_row, row_labels, row_strings
 from finetune.recipe import DataConfig, RecipeError
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -35,25 +37,31 @@ SHUFFLE_BUFFER = 1024  # rows shuffled together: a random order within a window 
 
 
 def _file_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Record]:
-    kind = FILE_KINDS[path.suffix.lower()]
+    kind = file_kind(path)
     if kind in ("jsonl", "json"):
-        with open(path, "rb") as f:
-            if kind == "json" and f.read(64).lstrip().startswith(b"["):
-                raise RecipeError(
-                    f"{path}: a JSON array cannot be streamed; write it as JSON lines (.jsonl) or set "
-                    "data.streaming=false"
-                )
-            f.seek(0)
-            yield from json_line_records(path, f, data, report)
+        try:
+            with open_data(path) as f:
+                if kind == "json" and f.read(64).lstrip().startswith(b"["):
+                    raise RecipeError(
+                        f"{path}: a JSON array cannot be streamed; write it as JSON lines (.jsonl) or set "
+                        "data.streaming=false"
+                    )
+                f.seek(0)
+                yield from json_line_records(path, f, data, report)
+        except (OSError, EOFError) as e:  # unreadable, or a .gz that is cut or not gzip
+            raise read_error(path, e) from None
         return
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        rows = (row for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for row in batch.to_pylist())
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow's errors for a file that is not parquet (ArrowInvalid, OSError)
+            raise RecipeError(f"{path}: cannot read as parquet ({str(e).splitlines()[0] if str(e) else e!r})") from None
+        rows = (row for batch in parquet.iter_batches(batch_size=1024) for row in batch.to_pylist())
         yield from _numbered(rows, path, report)
         return
-    with open(path, newline="", encoding="utf-8") as f:
-        yield from _numbered(csv.DictReader(f), path, report)
+    yield from csv_records(path, data, report)  # the in-memory path's reader: the same rows, the same errors
 
 
 def _numbered(rows, path: Path, report: DataReport) -> Iterator[Record]:
@@ -115,18 +123,19 @@ class StreamingSFT(torch.utils.data.IterableDataset):
         data, fmt = self.data, self.fmt
         self.report = report = DataReport(source=data.source, format=fmt)
         blank = blank_tokens(self.tokenizer)
+        max_chars = char_limit(self.tokenizer, data.max_length)
         worker = torch.utils.data.get_worker_info()
         for k, (where, record) in enumerate(stream_records(data, report)):
             if worker is not None and k % worker.num_workers != worker.id:
                 continue
             try:
-                strings = row_strings(fmt, record, self.tokenizer, data.loss_on)
+                strings, cut = row_strings(fmt, record, self.tokenizer, data.loss_on, max_chars)
                 encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
                 ids, labels = row_labels(fmt, data.loss_on, encoded, blank)
             except BadRow as e:
                 reject_row(data, report, where, str(e))
                 continue
-            kept = fit_row(data, report, where, ids, labels)
+            kept = fit_row(data, report, where, ids, labels, cut)
             if kept:
                 report.rows_kept += 1
                 yield {"input_ids": kept[0], "labels": kept[1]}

@@ -9,10 +9,17 @@ Rows come from finetune/data/sources.py (`stdlib_docs`, a file or folder, a hub 
 `{% generation %}` tags): for assistant turn i, messages[:i] with the generation prompt ends where the turn starts
 and messages[:i+1] ends where it ends. The span keeps the end-of-turn token (e.g. `<|im_end|>`) but not the
 whitespace the template puts after it, which the model never generates.
+
+A conversation has the roles a chat format knows (system, user, assistant; tool roles where the template names them),
+in the order chat models are trained on: an optional system turn first, then user and assistant alternating from a
+user turn (a tool result only after an assistant turn). A text is cut before tokenizing where it is sure to exceed
+data.max_length tokens (`char_limit`), so a huge row costs what a long one does; its first data.max_length tokens are
+the same.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +28,10 @@ from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
 
 COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
+CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLES = ("tool", "ipython", "function")  # allowed where the chat template names them
+# the roles each role may follow (None: the start); a tool role follows an assistant turn or another tool result
+FOLLOWS = {"system": (None,), "user": (None, "system", "assistant"), "assistant": ("user", *TOOL_ROLES)}
 
 if TYPE_CHECKING:
     import datasets
@@ -48,7 +59,51 @@ def _text(value: Any, what: str) -> str:
         raise BadRow(f"{what} is empty")
     if not isinstance(value, str):
         raise BadRow(f"{what} is {type(value).__name__}, not a string")
+    check_text(value, what)
     return value
+
+
+def check_text(value: str, what: str) -> None:
+    """A lone surrogate (a broken \\u escape in JSON) is not text: no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRow(f"{what} holds a lone surrogate ({value[e.start]!r} at character {e.start + 1}), which is not "
+                     "text (a broken \\u escape?); fix or remove it") from None
+
+
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """The roles a conversation may have with this tokenizer's chat template."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    return CHAT_ROLES + tuple(r for r in TOOL_ROLES if f"'{r}'" in template or f'"{r}"' in template)
+
+
+def check_turns(messages: list[dict], roles: tuple[str, ...], what: str) -> None:
+    """Known roles, in order: an optional system turn first, then user and assistant turns alternating from a user
+    turn; a tool result follows an assistant turn (or another result) and is answered by the assistant."""
+    previous = None
+    for k, message in enumerate(messages, 1):
+        role = message["role"]
+        if role not in roles:
+            guess = difflib.get_close_matches(role, roles, n=1)
+            raise BadRow(f"{what}[{k}].role={role!r} is not a chat role ({', '.join(roles)})"
+                         + (f"; did you mean '{guess[0]}'?" if guess else ""))
+        if previous not in FOLLOWS.get(role, ("assistant", *TOOL_ROLES)):
+            raise BadRow(f"{what}[{k}] is {_order_problem(role, previous)}")
+        previous = role
+
+
+def _order_problem(role: str, previous: str | None) -> str:
+    if role == previous:
+        return f"a second {role} turn in a row; turns alternate user, assistant, user, … (merge the two)"
+    if role == "assistant":
+        return ("an assistant turn before any user turn; a conversation starts with a user turn (after an optional "
+                "system turn)")
+    if role == "system":
+        return "a system turn after the first turn; a system turn can only come first"
+    after = f"a {previous} turn" if previous else "nothing"
+    return f"a {role} turn after {after}; a tool result follows an assistant turn, and the assistant answers it"
 
 
 def _messages(value: Any, what: str) -> list[dict]:
@@ -65,8 +120,8 @@ def _messages(value: Any, what: str) -> list[dict]:
     return out
 
 
-def parse_row(fmt: str, record: Any, loss_on: str) -> tuple[Any, list[int]]:
-    """(text, []) for text rows; (messages, indices of the labelled turns) for chat rows."""
+def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT_ROLES) -> tuple[Any, list[int]]:
+    """(text, []) for text rows; (messages, indices of the labelled turns) for chat rows, their roles checked."""
     if not isinstance(record, dict):
         raise BadRow(f"a row is an object with {' + '.join(COLUMNS[fmt])}, not {type(record).__name__}")
     missing = [c for c in COLUMNS[fmt] if c not in record]
@@ -84,6 +139,7 @@ def parse_row(fmt: str, record: Any, loss_on: str) -> tuple[Any, list[int]]:
         completion = _messages(completion, "completion") if isinstance(completion, list) else [
             {"role": "assistant", "content": _text(completion, "completion")}]
         messages, first = prompt + completion, len(prompt)  # the prompt is never a target
+    check_turns(messages, roles, "messages" if fmt == "messages" else "prompt + completion")
     turns = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
     return messages, (turns[-1:] if loss_on == "completion" else turns)
 
@@ -117,14 +173,32 @@ def _chat_labels(ids: list[int], prefix_ids: list[list[int]], turn_ids: list[lis
     return labels
 
 
-def row_strings(fmt: str, record: Any, tokenizer, loss_on: str) -> list[str]:
-    """What to tokenize for one row: the row, then per labelled assistant turn its two prefix renderings."""
-    row, turns = parse_row(fmt, record, loss_on)
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer) -> int:
+    return max(map(len, tokenizer.get_vocab()), default=16)
+
+
+def char_limit(tokenizer, max_length: int) -> int:
+    """Characters past which a text has more than data.max_length tokens for sure: no token covers more characters
+    than its vocabulary entry has; twice that, so the tokens before the cut are the same as without it."""
+    return 2 * max_length * _longest_token(tokenizer)
+
+
+def row_strings(fmt: str, record: Any, tokenizer, loss_on: str, max_chars: int | None = None) -> tuple[list[str], bool]:
+    """(what to tokenize for one row: the row, then per labelled assistant turn its two prefix renderings; whether a
+    text was cut at `max_chars` first, which leaves the row longer than data.max_length all the same)."""
+    row, turns = parse_row(fmt, record, loss_on, chat_roles(tokenizer))
     if fmt == "text":
-        return [row]
+        return [row[:max_chars]], max_chars is not None and len(row) > max_chars
+    cut = next((i for i, m in enumerate(row) if max_chars is not None and len(m["content"]) > max_chars), None)
+    if cut is not None:  # the turns after it would come after data.max_length tokens: cut away before rendering
+        row = row[: cut + 1]
+        row[cut]["content"] = row[cut]["content"][:max_chars]
+        turns = [i for i in turns if i <= cut]
     turns = [] if loss_on == "all" else turns
-    return [render_chat(tokenizer, row, False)] + [render_chat(tokenizer, row[:i], True) for i in turns] + [
+    strings = [render_chat(tokenizer, row, False)] + [render_chat(tokenizer, row[:i], True) for i in turns] + [
         render_chat(tokenizer, row[: i + 1], False) for i in turns]
+    return strings, cut is not None
 
 
 def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple[list[int], list[int]]:
@@ -135,12 +209,14 @@ def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple
     return ids, _chat_labels(ids, encoded[1 : 1 + turns], encoded[1 + turns :], blank)
 
 
-def fit_row(data: DataConfig, report: DataReport, where: str, ids: list[int], labels: list[int]):
-    """(ids, labels) after data.max_length and data.truncation, or None (dropped and counted)."""
+def fit_row(data: DataConfig, report: DataReport, where: str, ids: list[int], labels: list[int], cut: bool = False):
+    """(ids, labels) after data.max_length and data.truncation, or None (dropped and counted); `cut`: a text of the row
+    was cut before tokenizing (row_strings), so it has more tokens than `ids`."""
     if len(ids) > data.max_length:
         if data.truncation == "error":
             raise RecipeError(
-                f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+                f"{where}: {'more than ' if cut else ''}{len(ids)} tokens, longer than data.max_length="
+                f"{data.max_length}; raise "
                 "data.max_length or set data.truncation=right (cut) or drop"
             )
         if data.truncation == "drop":
@@ -176,25 +252,26 @@ def load_sft_dataset(data: DataConfig, tokenizer, records: list[Record] | None =
     if not records:
         raise RecipeError(f"data.source={data.source}: no rows to read")
     fmt = report.format = detect_format(data.format, records, data.source)
-    rows, strings = [], []  # (where, first string, how many); every string is tokenized in one batch call
+    rows, strings = [], []  # (where, first string, how many, cut); every string is tokenized in one batch call
+    max_chars = char_limit(tokenizer, data.max_length)
     for where, record in records:
         try:
-            texts = row_strings(fmt, record, tokenizer, data.loss_on)
+            texts, cut = row_strings(fmt, record, tokenizer, data.loss_on, max_chars)
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue
-        rows.append((where, len(strings), len(texts)))
+        rows.append((where, len(strings), len(texts), cut))
         strings += texts
     encoded = tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"] if strings else []
     blank = blank_tokens(tokenizer)
     columns: dict[str, list] = {"input_ids": [], "labels": []}
-    for where, at, n in rows:
+    for where, at, n, cut in rows:
         try:
             ids, labels = row_labels(fmt, data.loss_on, encoded[at : at + n], blank)
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue
-        kept = fit_row(data, report, where, ids, labels)
+        kept = fit_row(data, report, where, ids, labels, cut)
         if kept:
             columns["input_ids"].append(kept[0])
             columns["labels"].append(kept[1])

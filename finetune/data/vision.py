@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
-from finetune.data.text import blank_tokens, detect_format, render_chat, row_labels
+from finetune.data.text import CHAT_ROLES, blank_tokens, check_text, check_turns, detect_format, render_chat, row_labels
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
 
@@ -88,6 +88,7 @@ def _parts(content: Any, what: str) -> list[dict]:
     if isinstance(content, str):
         if not content.strip():
             raise BadRow(f"{what} is empty")
+        check_text(content, what)
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not content:
         raise BadRow(f"{what} is neither a string nor a non-empty list of parts")
@@ -97,6 +98,7 @@ def _parts(content: Any, what: str) -> list[dict]:
         if kind == "image":
             parts.append({"type": "image"})
         elif kind == "text" and isinstance(part.get("text"), str):
+            check_text(part["text"], f"{what}[{k}].text")
             parts.append({"type": "text", "text": part["text"]})
         else:
             raise BadRow(f"{what}[{k}] is not an {{type: image}} or {{type: text, text}} part")
@@ -117,6 +119,7 @@ def parse_vision_row(record: Any, image_token: str) -> tuple[list[dict], list[An
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise BadRow(f"messages[{k}] is not a {{role, content}} message")
         out.append({"role": m["role"], "content": _parts(m["content"], f"messages[{k}].content")})
+    check_turns(out, CHAT_ROLES, "messages")  # known roles, alternating, as for text rows
     placeholders = sum(1 if p["type"] == "image" else p["text"].count(image_token) for m in out for p in m["content"])
     if images and not placeholders:
         first_user = next((m for m in out if m["role"] == "user"), None)
