@@ -121,6 +121,7 @@ def build(
         peak_lr=lr,
         on_nonfinite=cfg.train.on_nonfinite,
         stop_request=stop_request,
+        data_order_change=cfg.train.resume_data_order_change,
         peak_flops=peak_flops,
         **({} if held_out is None else {"eval_dataset": held_out.dataset, "eval_setup": evaluation.EvalSetup(
             held_out.collator, held_out.tokens, cfg.eval.best_checkpoint)}),

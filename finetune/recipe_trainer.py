@@ -20,6 +20,10 @@ from finetune.trainer import TokenNormTrainer
 from finetune.training.evaluation import HeldOutEvaluation
 
 logger = logging.get_logger(__name__)
+# What each entry of a checkpoint's data position comes from, in recipe keys
+DATA_POSITION_KEYS = {"dataset_items": "data.source/data.limit", "seed": "train.seed", "ranks": "the number of ranks",
+                      "micro_batches_per_step": "train.global_batch_size (or global_batch_tokens)",
+                      "items_per_micro_batch": "train.micro_batch_size"}
 
 
 class NonFiniteError(RecipeError):
@@ -52,9 +56,10 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
     """
 
     def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
-                 stop_request=None, **kwargs):
+                 stop_request=None, data_order_change: str = "error", **kwargs):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
+        self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
         self._window_finite: bool | torch.Tensor = True
         self._nonfinite_veto = False  # this step's verdict (non-finite loss or gradients): no update
@@ -96,7 +101,12 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
 
     def _load_rng_state(self, checkpoint):
         if checkpoint is not None:
-            checkpoints.restore_rng_state(checkpoint, self._rng_file())
+            try:
+                checkpoints.restore_rng_state(checkpoint, self._rng_file())
+            except (RuntimeError, ValueError, KeyError, EOFError) as e:  # a damaged file, which the size check missed
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise RecipeError(f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
+                                  "from an earlier checkpoint-N") from None
 
     def _rng_file(self) -> str:
         return checkpoints.rng_file(self.args.world_size, self.args.process_index)
@@ -106,6 +116,9 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         except (ValueError, RuntimeError, KeyError) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "zip archive" in why or "PytorchStreamReader" in why:  # the file itself, not the recipe
+                raise RecipeError(f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "
+                                  f"({why}); resume from an earlier checkpoint-N") from None
             raise RecipeError(
                 f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
                 "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
@@ -121,6 +134,13 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
         # agree (another data.limit, seed or number of ranks resumes somewhere else, silently).
         saved, now = state.get("data_position", {}), self._data_position()
         changed = [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        if changed and self.data_order_change != "allow":
+            keys = ", ".join(DATA_POSITION_KEYS[k] for k in now if k in saved and saved[k] != now[k])
+            raise RecipeError(
+                f"train.resume_from: resuming with {', '.join(changed)} would train on another data order and position "
+                f"than the run that wrote the checkpoint; set {keys} as that run had them, or set "
+                "train.resume_data_order_change=allow to continue anyway"
+            )
         if changed:
             logger.warning(f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
                            "wrote the checkpoint")

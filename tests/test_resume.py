@@ -148,7 +148,7 @@ def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tm
 
 
 @pytest.mark.e2e
-def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(reference, tmp_path, monkeypatch):
+def test_resuming_with_other_data_or_ranks_is_an_error_unless_allowed_then_warns(reference, tmp_path, monkeypatch):
     from finetune import recipe_trainer as trainer_module
     from finetune.assemble import build
 
@@ -159,7 +159,14 @@ def test_resuming_with_other_data_or_ranks_warns_that_the_position_differs(refer
     same.restore_checkpoint_state(state)
     assert warnings == []
     other = build(load_config([*COMMON, "data.limit=12", f"train.output_dir={tmp_path}"]))
-    other.restore_checkpoint_state(state)
+    with pytest.raises(RecipeError, match=r"resuming with dataset_items 16 → 12 would train on another data order .* "
+                                          r"set data\.source/data\.limit as that run had them, or set "
+                                          r"train\.resume_data_order_change=allow"):
+        other.restore_checkpoint_state(state)
+    assert warnings == []
+    allowed = build(load_config([*COMMON, "data.limit=12", "train.resume_data_order_change=allow",
+                                 f"train.output_dir={tmp_path}"]))
+    allowed.restore_checkpoint_state(state)
     assert len(warnings) == 1 and warnings[0].startswith("resuming with dataset_items 16 → 12: the data order")
 
 

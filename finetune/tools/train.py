@@ -12,32 +12,32 @@ from __future__ import annotations
 
 import sys
 
-from finetune.env import is_main_process
-from finetune.recipe import Config, RecipeError, load_config, to_yaml
+from finetune.recipe import Config, load_config, to_yaml
+from finetune.tools.boundary import run_command
 from finetune.training import distributed
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         cfg = load_config(argv)
         distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before torch loads
         return train(cfg, argv=argv)
-    except RecipeError as e:
-        if is_main_process():
-            print(f"error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
+
+    # one `error:` line for what the user can fix (exit 2; 3: stopped on a non-finite value), a traceback for a bug
+    return run_command(body)
 
 
 def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
     """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
     fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
-    from finetune.training import checkpoints, lifecycle, reporting
+    from finetune.training import checkpoints, lifecycle, output_dir, reporting
 
-    lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
-    with stop.installed():
+    with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
+        lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
         if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
             from finetune.tools.plan import resolve_auto_micro_batch
 

@@ -1,14 +1,13 @@
 """Checkpoints that are complete or absent, and what resuming needs (lifecycle.py: a run's start and end).
 
-What a checkpoint-N holds (`save_atomically`, used by `RecipeTrainer._save_checkpoint`): the weights (model.safetensors,
-or the adapter's adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python,
-NumPy, torch, CUDA), trainer_state.json (global step, log history) and finetune_state.json (our counters). The data
-position needs no file: the Trainer's sampler is seeded by train.seed and the epoch, budgeted micro-batches are formed
-from train.seed (finetune/data/batching.py), and a checkpoint is only ever taken between optimizer steps, so global_step
-× accumulation micro-batches into the epoch is the position (the Trainer skips them on resume) and the window starts
-empty. Every .pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's training_args.bin (a pickle) is never
-loaded.
-"""
+A checkpoint-N (`save_atomically`, used by `RecipeTrainer._save_checkpoint`) holds the weights (model.safetensors, or
+adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
+CUDA), trainer_state.json (global step, log history), checkpoint_files.json (each file's size, checked at resume:
+checkpoint_files.py) and finetune_state.json (our counters; last). The data position needs no file: the sampler is
+seeded by train.seed and the epoch, budgeted micro-batches are formed from train.seed (finetune/data/batching.py), and
+a checkpoint is only taken between optimizer steps, so global_step × accumulation micro-batches into the epoch is the
+position (the Trainer skips them). Every .pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's
+training_args.bin (a pickle) is never loaded."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from finetune.recipe import RecipeError, TrainConfig
+from finetune.training import checkpoint_files
 
 STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
 STATE_FILE = "finetune_state.json"
@@ -88,16 +88,14 @@ def resume_path(train: TrainConfig) -> str | None:
     resume = train.resume_from
     if resume is None:
         return None
-    if resume == "auto":
-        found = checkpoints_in(train.output_dir)
-        return found[-1][1] if found else None
+    if resume == "auto":  # the newest one whose files are whole (an older one, with a warning)
+        return checkpoint_files.newest_whole(checkpoints_in(train.output_dir), train.output_dir)
     if not os.path.isdir(resume):
         raise RecipeError(f"train.resume_from={resume}: no such checkpoint folder; give a checkpoint-N folder or auto")
     if not is_complete(resume):
-        raise RecipeError(
-            f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or trainer_state.json); give a "
-            "checkpoint-N folder written by finetune, or auto"
-        )
+        raise RecipeError(f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or "
+                          "trainer_state.json); give a checkpoint-N folder written by finetune, or auto")
+    checkpoint_files.check_whole(resume)  # every damaged file named, before anything loads
     return resume
 
 
@@ -255,6 +253,7 @@ def save_atomically(trainer, save, model, trial) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
         if trainer.args.should_save:
+            checkpoint_files.record_sizes(staged)  # what resume checks each file against
             write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
             commit(staged, final)
     except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind

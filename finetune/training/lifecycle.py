@@ -17,7 +17,8 @@ import torch
 
 from finetune.env import is_main_process, launch_kind, world_size
 from finetune.recipe import RecipeError, TrainConfig
-from finetune.training.checkpoints import checkpoints_in, fsync, staging_root, write_error, write_failure
+from finetune.training import output_dir
+from finetune.training.checkpoints import checkpoints_in, fsync, write_error, write_failure
 
 # ---- before training ----
 
@@ -74,36 +75,32 @@ def start_line(train: TrainConfig, resume: str | None) -> str | None:
 
 
 def save_final(trainer, texts: dict[str, str]) -> None:
-    """The trained model, trainer_state.json and `texts` ({file name: content}) into train.output_dir, written under
-    .staging first and then renamed file by file: each file in output_dir is whole, old or new."""
+    """The trained model, trainer_state.json and `texts` ({file name: content}) written whole beside train.output_dir,
+    then swapped in as one set (finetune/training/output_dir.py): the folder holds this run's model or the last one's,
+    never a mix, whenever the process dies."""
     out = trainer.args.output_dir
-    staged = os.path.join(staging_root(out), "final")
+    staged = output_dir.sibling(out)
     if trainer.args.should_save:
         shutil.rmtree(staged, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     try:
-        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        trainer.save_model(str(staged))  # every rank: FSDP/ZeRO-3 gather the weights
         if trainer.args.should_save:
             trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
             for name, text in texts.items():
                 with open(os.path.join(staged, name), "w") as f:
                     f.write(text)
+            for folder, _, files in os.walk(staged):  # on disk before the swap: a power loss never leaves empty files
+                for name in files:
+                    fsync(os.path.join(folder, name))
     except Exception as e:
         if write_failure(e) is None:
             raise
-        shutil.rmtree(staging_root(out), ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
         raise write_error(out, "the final model", write_failure(e)) from None
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
-        for name in sorted(os.listdir(staged)):
-            source, target = os.path.join(staged, name), os.path.join(out, name)
-            if os.path.isdir(source):
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                fsync(source)
-            os.replace(source, target)
-        fsync(out)
-        shutil.rmtree(staging_root(out), ignore_errors=True)
+        output_dir.swap_in(out, staged)
     trainer.accelerator.wait_for_everyone()
 
 
