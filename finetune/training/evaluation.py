@@ -153,6 +153,14 @@ class HeldOutEvaluation:
         self.accelerator.wait_for_everyone()
 
 
+class EarlyStopping(EarlyStoppingCallback):
+    """transformers' EarlyStoppingCallback, without its start-up warning that the best model is not loaded at the end:
+    a recipe keeps it in output_dir/best instead (eval.best_checkpoint)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        pass  # metric_for_best_model and eval_strategy are set by training_arguments whenever this callback is added
+
+
 class EvaluateAtEnd(TrainerCallback):
     """An evaluation after the last optimizer step, whether or not eval.every_steps divides the run."""
 
@@ -169,7 +177,7 @@ def callbacks(cfg: Config, prompts: list) -> list[TrainerCallback]:
     if prompts:
         added.append(GenerateSamples(prompts, cfg.eval.max_new_tokens))
     if cfg.eval.early_stopping_patience:
-        added.append(EarlyStoppingCallback(cfg.eval.early_stopping_patience))
+        added.append(EarlyStopping(cfg.eval.early_stopping_patience))
     return added
 
 
