@@ -28,6 +28,7 @@ code, unchanged, with one warning. Set `model.loss_type = "ForCausalLM"` on a pl
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Mapping
 
 import torch
@@ -103,7 +104,7 @@ class TokenNormTrainer(Trainer):
         self._window_label_tokens: int | None = None
         self._eval_sums: torch.Tensor | None = None  # [loss sum, label tokens] while an evaluation loop runs
         self._gated_optimizer = None
-        self._meter = WindowMeter()
+        self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
         self.peak_flops = peak_flops or device_peak_flops("bf16" if self.args.bf16 or self.args.fp16 else "fp32")
         self._matmul_params: int | None = None
@@ -143,7 +144,7 @@ class TokenNormTrainer(Trainer):
         counts = torch.tensor(window_counts(batch_samples, self.loss_kind), dtype=torch.int64, device=device)
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.reduce(counts, reduction="sum") // self.get_tp_size()
-        self._meter.add(counts.tolist())
+        self.meter.add(counts.tolist())
         self._window_label_tokens = int(counts[0])
         if self._window_label_tokens == 0:
             logger.warning(
@@ -281,6 +282,13 @@ class TokenNormTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    def evaluate(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:  # the step meter's clock skips the evaluation: training tokens/s stay training's
+            self.meter.since += time.perf_counter() - started
+
     def _add_eval(self, gathered: torch.Tensor) -> None:
         self._eval_sums += gathered.to(self._eval_sums.device, torch.float64).sum(0)
 
@@ -330,7 +338,7 @@ class TokenNormTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         timing = ()
         if self.loss_kind is not None and "loss" in logs and "grad_norm" in logs:  # an optimizer-step line
-            logs.update(self._meter.drain())
+            logs.update(self.meter.drain())
             if self.peak_flops and logs.get("real_tokens_per_s"):
                 # model FLOPs of the real tokens only: padding and skipped prompt logits count as waste
                 model = self.accelerator.unwrap_model(self.model)

@@ -56,6 +56,8 @@ def test_trainers_eval_loss_moves_with_the_eval_batch_size_where_ours_does_not(t
     assert max(errors) > 1e-5, errors  # ten times the bound ours holds (an untrained model's losses are all ~log V)
 
 
+@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

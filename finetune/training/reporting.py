@@ -193,7 +193,7 @@ def summary(cfg: Config, trainer) -> dict:
     """The end-of-run figures: steps, tokens, wall time, tokens/s, final loss, peak memory."""
     steps = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     runtime = next((e["train_runtime"] for e in reversed(trainer.state.log_history) if "train_runtime" in e), None)
-    totals = trainer._meter.run_totals
+    totals = trainer.meter.run_totals
     return {
         "optimizer_steps": trainer.state.global_step,
         "real_tokens": totals["real_tokens"],
@@ -201,7 +201,7 @@ def summary(cfg: Config, trainer) -> dict:
         "wall_time_s": runtime,
         "real_tokens_per_s": totals["real_tokens"] / runtime if runtime else None,
         "final_loss": steps[-1]["loss"] if steps else None,
-        "peak_mem_mb": trainer._meter.peak_mem_mb or None,  # timing figures stay out of the log history
+        "peak_mem_mb": trainer.meter.peak_mem_mb or None,  # timing figures stay out of the log history
         **evaluation.summary(trainer),
     }
 
