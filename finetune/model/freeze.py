@@ -61,4 +61,8 @@ def add_lora(model, cfg: ModelConfig):
         r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
         target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:  # peft's refusals: target modules that match nothing, or that LoRA cannot wrap
+        raise RecipeError(f"model.lora.target_modules={list(cfg.lora.target_modules)}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

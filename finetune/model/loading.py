@@ -16,6 +16,7 @@ from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from finetune.env import cache_dir
+from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, folder_problems
 from finetune.model.freeze import add_lora, freeze
 from finetune.recipe import ModelConfig, RecipeError
 
@@ -45,13 +46,21 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
     local = Path(source) / gguf_file
     if Path(source).is_dir() and not local.is_file():
         raise RecipeError(f"model.gguf_file={gguf_file}: no such file in {source}")
+    if local.is_file():
+        with open(local, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RecipeError(f"model.gguf_file={gguf_file}: {local} is not a GGUF file (no GGUF magic bytes)")
     stamp = f"{source}|{gguf_file}|{local.stat().st_size if local.is_file() else ''}"
 
     def convert(scratch: Path) -> None:
         print(f"converting {gguf_file} once into a plain model folder in {cache_dir() / 'models'}", flush=True)
         kwargs = dict(gguf_file=gguf_file, trust_remote_code=trust_remote_code)
-        dequantized = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        try:
+            dequantized = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (OSError, ValueError, KeyError) as e:  # a cut GGUF, or one of an architecture transformers cannot read
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RecipeError(f"model.gguf_file={gguf_file}: cannot convert it ({why})") from None
         config = dequantized.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -82,15 +91,46 @@ def cached_folder(name: str, stamp: str, build) -> Path:
 
 
 def model_folder(cfg: ModelConfig) -> str:
-    """Where from_pretrained reads: a hub id, a local folder, or the plain folder converted from a GGUF."""
+    """Where from_pretrained reads: a hub id, a local folder (its files checked), or the plain folder converted from a
+    GGUF."""
     source = resolve_source(cfg.name_or_path)
     if cfg.gguf_file:
         return str(plain_folder_from_gguf(source, cfg.gguf_file, cfg.trust_remote_code))
+    check_folder(cfg, source)
     return source
 
 
+def check_folder(cfg: ModelConfig, source: str) -> None:
+    """A local model folder: there, with a config.json, weights unless model.from_config, and every file whole
+    (finetune/model/files.py), so a damaged file is named instead of failing deep inside transformers."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        if source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:  # a hub id is NAME or OWNER/NAME
+            raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no such folder; check the path, or give a hub "
+                              "id or pkg:PACKAGE")
+        return
+    where = f"model.name_or_path={cfg.name_or_path}"
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise RecipeError(f"{where}: {'no config.json in the folder' if path.is_dir() else 'not a folder'}; give a "
+                          "model folder (config.json, weights, tokenizer), a hub id, or pkg:PACKAGE with "
+                          "model.gguf_file")
+    if not cfg.from_config and not any(p.name.endswith(WEIGHT_SUFFIXES) and p.name not in NEVER_LOADED
+                                       for p in path.iterdir()):
+        raise RecipeError(f"{where}: no weights in the folder (model.safetensors, …); give a complete model folder, "
+                          "or set model.from_config=true for random weights")
+    problems = folder_problems(str(path))
+    if problems:
+        damaged = "; ".join(f"{name}: {why}" for name, why in problems.items())
+        raise RecipeError(f"{where}: damaged files ({damaged}); copy or download the model again")
+
+
 def load_tokenizer(cfg: ModelConfig, folder: str):
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:  # not there, unreachable, or files transformers cannot use
+        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: cannot load its tokenizer "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); give a folder or hub id with "
+                          "tokenizer files") from None
     if tokenizer.pad_token is None:  # padding is masked from attention and loss; any id will do
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -114,11 +154,18 @@ def load_model(cfg: ModelConfig, folder: str):
             model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dtype, attn_implementation=cfg.attn_implementation, **common
             )
+    except RecipeError:
+        raise
     except OSError as e:
         raise RecipeError(
             f"model.name_or_path={cfg.name_or_path}: cannot load ({str(e).splitlines()[0]}); give a local folder, "
             "a reachable hub id, or pkg:PACKAGE with model.gguf_file"
         ) from None
+    except (ValueError, RuntimeError) as e:  # the recipe's settings refused (attn_implementation, overrides, dtype)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        keys = "model.config_overrides, " if cfg.from_config else ""
+        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: the model cannot be built ({why}); check "
+                          f"{keys}model.attn_implementation and model.dtype") from None
     freeze(model, cfg.freeze)
     if cfg.lora.enabled:
         model = add_lora(model, cfg)

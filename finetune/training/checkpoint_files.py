@@ -2,9 +2,8 @@
 
 A checkpoint is renamed into place only once complete (checkpoints.save_atomically), but a file can still be cut or
 damaged later (a copy that stopped, a full disk during `cp`, a bad sector). Every file's size is recorded in SIZES
-just before the state file that marks the folder complete; at resume each file is checked against it and by its kind:
-JSON parses, a safetensors header and the tensor bytes it promises are all there, a torch file's zip directory (kept
-at the end of the file) is intact. Bytes are not hashed: a flipped bit inside a tensor is not found here.
+just before the state file that marks the folder complete; at resume each file is checked against it, and by its kind
+(finetune/model/files.py: JSON parses, safetensors and torch files are whole).
 """
 
 from __future__ import annotations
@@ -12,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import zipfile
 
 from finetune.env import is_main_process
+from finetune.model.files import folder_problems
 from finetune.recipe import RecipeError
 
 SIZES = "checkpoint_files.json"  # {file: bytes} of every file of the checkpoint
-NEVER_LOADED = {"training_args.bin"}  # the Trainer's pickle: nothing loads it
 
 
 def record_sizes(folder: str) -> None:
@@ -29,38 +27,6 @@ def record_sizes(folder: str) -> None:
             sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
     with open(os.path.join(folder, SIZES), "w") as f:
         json.dump(sizes, f, indent=1, sort_keys=True)
-
-
-def _safetensors_problem(path: str, size: int) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else size
-        if length > size - 8:
-            return f"cut short ({size:,} bytes, less than its header)"
-        try:
-            header = json.loads(f.read(length))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            return "not a safetensors file (its header does not parse)"
-    expected = 8 + length + end
-    return f"cut short ({size:,} of {expected:,} bytes)" if size < expected else None
-
-
-def _problem(path: str, name: str) -> str | None:
-    size = os.path.getsize(path)
-    try:
-        if name.endswith(".json"):
-            with open(path, "rb") as f:
-                json.loads(f.read().decode("utf-8"))
-        elif name.endswith(".safetensors"):
-            return _safetensors_problem(path, size)
-        elif name.endswith((".pt", ".pth", ".bin")) and name not in NEVER_LOADED:
-            with zipfile.ZipFile(path) as archive:  # torch.save's format: a zip whose directory is at the end
-                archive.infolist()
-    except (ValueError, zipfile.BadZipFile) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        kind = "JSON" if name.endswith(".json") else "torch file"
-        return f"not a whole {kind} ({size:,} bytes; {str(e).splitlines()[0] if str(e) else type(e).__name__})"
-    return None
 
 
 def damaged(folder: str) -> list[str]:
@@ -74,22 +40,15 @@ def damaged(folder: str) -> list[str]:
         pass  # written by an older version: the files are checked by their kind only
     except (OSError, ValueError) as e:
         problems[SIZES] = f"unreadable ({e})"
+    if not isinstance(sizes, dict):
+        problems[SIZES], sizes = "not a map of file sizes", {}
     for name, size in sizes.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             problems[name] = "missing"
         elif os.path.getsize(path) != size:
             problems[name] = f"{os.path.getsize(path):,} bytes, written as {size:,}"
-    for root, _, files in os.walk(folder):
-        for name in sorted(files):
-            relative = os.path.relpath(os.path.join(root, name), folder)
-            if relative not in problems and relative != SIZES:
-                try:
-                    problem = _problem(os.path.join(root, name), name)
-                except OSError as e:
-                    problem = f"unreadable ({e.strerror or e})"
-                if problem:
-                    problems[relative] = problem
+    problems.update(folder_problems(folder, skip=(SIZES, *problems)))  # each file by its kind
     return [f"{name}: {why}" for name, why in sorted(problems.items())]
 
 

@@ -1,0 +1,63 @@
+"""Whether the files of a model folder or a checkpoint are whole, each damaged file named, before anything loads.
+
+Checked by kind, cheaply: a JSON file parses; a safetensors file has its header and every tensor byte the header
+promises (a cut file is short of them); a torch file (.pt/.pth/.bin, a zip) has its directory, which zip keeps at the
+end. Bytes are not hashed: a flipped bit inside a tensor is not found here. finetune/training/checkpoint_files.py
+adds the sizes recorded at save time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+NEVER_LOADED = {"training_args.bin"}  # the Trainer's pickle: nothing loads it
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _safetensors_problem(path: str, size: int) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else size
+        if length > size - 8:
+            return f"cut short ({size:,} bytes, less than its header)"
+        try:
+            header = json.loads(f.read(length))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "not a safetensors file (its header does not parse)"
+    expected = 8 + length + end
+    return f"cut short ({size:,} of {expected:,} bytes)" if size < expected else None
+
+
+def file_problem(path: str) -> str | None:
+    """What is wrong with one file, judged by its kind; None when it looks whole (or is of another kind)."""
+    name = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        if name.endswith(".json"):
+            with open(path, "rb") as f:
+                json.loads(f.read().decode("utf-8"))
+        elif name.endswith(".safetensors"):
+            return _safetensors_problem(path, size)
+        elif name.endswith((".pt", ".pth", ".bin")) and name not in NEVER_LOADED:
+            with zipfile.ZipFile(path) as archive:  # torch.save's format: a zip whose directory is at the end
+                archive.infolist()
+    except (ValueError, zipfile.BadZipFile) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        kind = "JSON" if name.endswith(".json") else "torch file"
+        return f"not a whole {kind} ({size:,} bytes; {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return None
+
+
+def folder_problems(folder: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """{file relative to folder: what is wrong} for every file there (sub-folders included) but `skip`."""
+    problems = {}
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            relative = os.path.relpath(os.path.join(root, name), folder)
+            if relative not in skip and (problem := file_problem(os.path.join(root, name))):
+                problems[relative] = problem
+    return problems
