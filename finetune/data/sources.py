@@ -1,21 +1,19 @@
 """The raw rows of the recipe's `data.source`, each with where it came from, and the counts kept while loading.
 
 Sources: `stdlib_docs` (built in, see finetune/data/stdlib_docs.py); a .jsonl/.json/.parquet/.csv file (.jsonl, .json
-and .csv also gzip-compressed, `.gz`) or a folder of them (sorted, hidden files skipped; other files are skipped and
-named in the data line; a dangling link, an unreadable file or a data file compressed otherwise is an error); otherwise
-a hub dataset id. `data.limit` counts raw rows, bad ones included. JSON objects with a key twice are bad rows (JSON
-would keep the last); CSV cells stay text (`007` is not the number 7); a CSV row with more or fewer cells than the
-header is a bad row.
-`DataReport` holds what loading read, kept, dropped and skipped; `BadRow` is a row that cannot be used, and
-`reject_row` makes it one clear error or a counted skip, per `data.on_bad_row`. The in-memory path (text.py), streaming
-(streaming.py) and image rows (vision.py) all read and count through this module.
+and .csv also as .gz) or a folder of them (sorted, hidden files skipped, other files named in the data line; a dangling
+link, an unreadable file or a data file compressed otherwise is an error); otherwise a hub dataset id. `data.limit`
+counts raw rows, bad ones included. A JSON object with a key twice is a bad row (JSON keeps the last); CSV cells stay
+text (`007` is not 7), a CSV row with more or fewer cells than the header is a bad row. `DataReport` holds what
+loading read, kept, dropped and skipped; `BadRow` is a row that cannot be used, and `reject_row` makes it one clear
+error or a counted skip, per `data.on_bad_row`. The in-memory path (text.py), streaming (streaming.py) and image rows
+(vision.py) all read and count through this module.
 """
 
 from __future__ import annotations
 
 import csv
 import gzip
-import io
 import json
 import os
 from collections.abc import Iterator
@@ -77,10 +75,8 @@ def reject_row(data: DataConfig, report: DataReport, where: str, why: str) -> No
 
 
 def looks_like_path(source: str) -> bool:
-    return (
-        Path(source).suffix.lower() in PATH_SUFFIXES or source.startswith(("/", "./", "../", "~"))
-        or source.count("/") > 1 or "\\" in source
-    )
+    return (Path(source).suffix.lower() in PATH_SUFFIXES or source.startswith(("/", "./", "../", "~"))
+            or source.count("/") > 1 or "\\" in source)
 
 
 def _room(data: DataConfig, report: DataReport, available: int) -> int:
@@ -150,12 +146,22 @@ def read_error(path: Path, error: Exception) -> RecipeError:
     return RecipeError(f"{path}: cannot read it ({why}); check the file and its permissions")
 
 
+def _text_lines(raw, path: Path) -> Iterator[str]:
+    """A text file's lines, each decoded on its own, so a line that is not UTF-8 is named (a byte-order mark, as
+    spreadsheets write one, is dropped)."""
+    for number, line in enumerate(raw, 1):
+        try:
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path} line {number}: not UTF-8 text; save the file as UTF-8") from None
+
+
 def csv_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Record]:
     """(where, {column: text}) per CSV row, up to data.limit: every cell stays text, as written; a row with more or
     fewer cells than the header is a bad row (data.on_bad_row)."""
     csv.field_size_limit(2**31 - 1)  # a long completion is one cell; rows are cut to data.max_length later
-    with open_data(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
+    with open_data(path) as raw:
+        reader = csv.reader(_text_lines(raw, path))
         number = 0
         try:
             header = next(reader, None) or []
@@ -175,8 +181,6 @@ def csv_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Re
                                f"{len(header)} ({', '.join(header)}); a value holding a comma needs quotes")
                     continue
                 yield where, dict(zip(header, cells))
-        except UnicodeDecodeError:
-            raise RecipeError(f"{path} line {reader.line_num + 1}: not UTF-8 text; save the file as UTF-8") from None
         except csv.Error as e:
             raise RecipeError(f"{path} line {reader.line_num}: not valid CSV ({e})") from None
         except (OSError, EOFError) as e:

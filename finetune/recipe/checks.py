@@ -159,6 +159,10 @@ def check_config(config: Config) -> None:
             f"{unit})"
         )
     check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
+    if not config.train.output_dir.strip():
+        raise RecipeError("train.output_dir is empty; set it to the folder the run writes to")
+    if not config.model.name_or_path.strip():
+        raise RecipeError("model.name_or_path is empty; set it to a model folder, a hub id, or pkg:PACKAGE")
     if not config.data.source.strip():
         raise RecipeError("data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a "
                           "hub dataset id")

@@ -65,9 +65,29 @@ def _merge(schema: DictConfig, other: DictConfig, where: str) -> DictConfig:
         key = e.full_key or str(e.key)
         raise _unknown_key_error(key, where, schema) from None
     except ValidationError as e:
+        section = None if e.full_key else _section_given_a_value(schema, other)
+        if section:  # OmegaConf names no key then
+            keys = list(OmegaConf.select(schema, section).keys())
+            raise RecipeError(f"{where}: {section} is a section ({', '.join(keys[:3])}, …), not a value; set its keys, "
+                              f"e.g. {section}.{keys[0]}=…") from None
         raise RecipeError(f"{where}: {e.full_key}={e.value!r} is not a valid {_type_name(e)}; fix the value") from None
     except OmegaConfBaseException as e:
         raise RecipeError(f"{where}: {str(e).splitlines()[0]}") from None
+
+
+def _section_given_a_value(schema: DictConfig, other: Any, prefix: str = "") -> str | None:
+    """The first section of the schema that `other` sets to a plain value (`optim: 3`)."""
+    if not isinstance(other, DictConfig):
+        return None
+    for key in other.keys():
+        mine = schema._get_node(key) if key in schema else None
+        if isinstance(mine, DictConfig):
+            theirs = other._get_node(key)
+            if not isinstance(theirs, DictConfig):
+                return f"{prefix}{key}"
+            if found := _section_given_a_value(mine, theirs, f"{prefix}{key}."):
+                return found
+    return None
 
 
 def _type_name(e: ValidationError) -> str:
@@ -81,6 +101,8 @@ def _type_name(e: ValidationError) -> str:
 
 def recipe_file(name: str) -> Path:
     """The file `recipe=NAME` means: NAME where it is a file, else a built-in recipe (`vlm.yaml` or `vlm`)."""
+    if not name.strip():
+        raise RecipeError("recipe= is empty; pass recipe=PATH to a YAML file (see recipes/)")
     given = Path(name)
     if given.is_file():
         return given

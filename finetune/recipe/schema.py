@@ -147,17 +147,21 @@ class EvalConfig:
     # stdlib_docs | shapes_captions | jsonl/json/parquet/csv file or folder | hub id, read with the data.* keys
     source: str | None = None
     split: str = "validation"  # the split of a hub dataset eval.source
-    fraction: float = 0.0  # share of data.source held out (seeded by train.seed), never trained on; 0: no held-out rows
-    limit: int | None = None  # evaluate on N rows: the first N of eval.source, or N held-out rows in a seeded order
-    every_steps: int = 0  # optimizer steps between evaluations; 0: only before the first step and at the end
+    # share of data.source held out (seeded by train.seed), never trained on; 0: no held-out rows
+    fraction: float = number(0.0, min=0, max=1, max_exclusive=True, hint="the share of data.source held out")
+    # evaluate on N rows: the first N of eval.source, or N held-out rows in a seeded order
+    limit: int | None = number(None, min=1)
+    # optimizer steps between evaluations; 0: only before the first step and at the end
+    every_steps: int = number(0, min=0)
     batching: str = one_of("packed", "padded", "length_grouped", "token_budget")  # as data.batching
-    micro_batch_size: int = 8  # rows per eval micro-batch (per rank)
-    max_tokens_per_micro_batch: int | None = None  # token_budget, or packed by tokens
-    samples: int = 2  # held-out prompts generated from (greedy) at each evaluation: console and a W&B table
+    micro_batch_size: int = number(8, min=1)  # rows per eval micro-batch (per rank)
+    max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget, or packed by tokens
+    # held-out prompts generated from (greedy) at each evaluation: console and a W&B table
+    samples: int = number(2, min=0)
     prompts: list[str] = field(default_factory=list)  # your own prompts, generated from beside them
-    max_new_tokens: int = 48
+    max_new_tokens: int = number(48, min=1)
     best_checkpoint: bool = False  # keep the model of the lowest eval loss in train.output_dir/best
-    early_stopping_patience: int = 0  # stop after N evaluations without a lower eval loss; 0: never
+    early_stopping_patience: int = number(0, min=0)  # stop after N evaluations without a lower eval loss; 0: never
 
 
 @dataclass

@@ -77,7 +77,10 @@ def _check_expansion(root: yaml.Node, where: str) -> None:
 def parse_yaml(text: str, where: str) -> Any:
     """The value `text` holds, as safe_load gives it; RecipeError (naming `where`) for invalid YAML, a key twice in one
     mapping, or aliases that expand too far."""
-    loader = _RecipeLoader(text)
+    try:
+        loader = _RecipeLoader(text)  # its reader refuses characters YAML does not allow (control bytes, surrogates)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
     try:
         node = loader.get_single_node()
         if node is None:

@@ -9,6 +9,7 @@ with the traceback).
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -41,6 +42,15 @@ def print_error(message: str) -> None:
     print(line.encode(encoding, "backslashreplace").decode(encoding), file=sys.stderr, flush=True)
 
 
+def _own_line(message: str) -> str:
+    """torch re-raises a DataLoader worker's exception with the worker's traceback inside its message; the user's line
+    is the traceback's last one, after the exception's name."""
+    if "Original Traceback" not in message:
+        return message
+    match = re.match(r"^[\w.]+: (.*)$", message.strip().splitlines()[-1])
+    return match.group(1) if match else message.strip().splitlines()[-1]
+
+
 def _out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError"  # torch.OutOfMemoryError, without importing torch here
 
@@ -50,7 +60,7 @@ def run_command(body: Callable[[], int]) -> int:
     try:
         return body()
     except RecipeError as e:
-        print_error(str(e))
+        print_error(_own_line(str(e)))
         return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
     except Exception as e:
         if _out_of_memory(e):
