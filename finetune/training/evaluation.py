@@ -84,18 +84,10 @@ class HeldOutEvaluation:
             self.args.eval_on_start = not resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def evaluate(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:
-            self._pause_meter(started)
-
     def _pause_meter(self, started: float) -> None:
-        """The step meter's clock skips an evaluation (and a best-model save): training tokens/s stay training's."""
-        meter = getattr(self, "_meter", None)
-        if meter is not None:
-            meter.since += time.perf_counter() - started
+        """The step meter's clock skips a best-model save (TokenNormTrainer.evaluate skips evaluations itself):
+        training tokens/s stay training's."""
+        self.meter.since += time.perf_counter() - started
 
     def get_eval_dataloader(self, eval_dataset=None):
         if self.eval_setup is None:
