@@ -90,7 +90,7 @@ def test_eval_micro_batches_follow_the_batching_mode_and_pad_to_the_ranks_withou
     (["eval.every_steps=5"], "eval.every_steps needs an eval set: set eval.fraction"),
     (["eval.fraction=0.2", "data.streaming=true", "data.source=x.jsonl"], "which data.streaming=true reads only as"),
     (["eval.fraction=0.2", "eval.early_stopping_patience=2"], "eval.early_stopping_patience counts evaluations"),
-    (["eval.fraction=1.5"], "eval.fraction=1.5 must be in [0, 1)"),
+    (["eval.fraction=1.5"], "eval.fraction=1.5 must be in [0, 1) (the share of data.source held out)"),
     (["eval.fraction=0.2", "eval.batching=token_budget"], "eval.batching=token_budget needs eval.max_tokens_per"),
     (["eval.fraction=0.001"], "eval.fraction=0.001 of the 64 rows of data.source=stdlib_docs holds out no row"),
 ], ids=["missing", "both", "no-set", "stream", "patience", "fraction", "budget", "too-small"])

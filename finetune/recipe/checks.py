@@ -226,8 +226,6 @@ def check_eval(config: Config) -> None:
     if ev.source and ev.fraction:
         raise RecipeError("set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not "
                           "both")
-    if not 0 <= ev.fraction < 1:
-        raise RecipeError(f"eval.fraction={ev.fraction} must be in [0, 1): the share of data.source held out")
     if not evaluates(config):
         asked = [key for key, given in (
             ("eval.every_steps", ev.every_steps), ("eval.best_checkpoint", ev.best_checkpoint),
