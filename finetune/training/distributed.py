@@ -88,9 +88,12 @@ def _read_deepspeed_file(path: str) -> dict:
     if not file.is_file():
         raise RecipeError(f"DeepSpeed config file '{path}' (deepspeed_config_file) not found; fix the path")
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as e:
         raise RecipeError(f"{path}: not valid JSON ({e.msg}, line {e.lineno}); fix the DeepSpeed config") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else e.strerror or str(e)
+        raise RecipeError(f"{path}: cannot read the DeepSpeed config ({why})") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a DeepSpeed config must be a JSON object")
     return data
