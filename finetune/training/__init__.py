@@ -3,8 +3,10 @@ and the data.
 
 Owns the recipe's optimizers (AdamW, SGD, LAMB, LARS) and LR schedules, checkpoints that are complete or absent and
 resume bitwise, a run's start and end (output folder checks, signals, the final save), what `accelerate launch`
-decided checked against the recipe, and what a run shows (W&B, the console, the profiler). The recipe trainer and the
+decided checked against the recipe, what a run shows (W&B, the console, timings.jsonl, the profiler), evaluation
+during a run (when, what is logged, the best model, early stopping) and generated samples. The recipe trainer and the
 window meter (finetune/recipe_trainer.py, finetune/meter.py) join it later. May import `finetune.recipe`,
-`finetune.env`, `finetune.model` (the module-name prefix rule) and torch/transformers/accelerate; never
+`finetune.env`, `finetune.meter` (the measured keys), `finetune.model` (the module-name prefix rule) and
+torch/transformers/accelerate; never
 `finetune.assemble` or `finetune.tools`.
 """
