@@ -146,7 +146,8 @@ def stream_sft_dataset(data: DataConfig, tokenizer, seed: int = 0) -> tuple[Stre
     report = DataReport(source=data.source, streamed=True)
     peek = list(itertools.islice(stream_records(data, report), PEEK_ROWS))
     if not peek:
-        raise RecipeError(f"data.source={data.source}: no rows to read")
+        skipped = f" ({report.bad_rows_skipped:,} bad rows skipped; data.on_bad_row=error names the first)"
+        raise RecipeError(f"data.source={data.source}: no rows to read{skipped if report.bad_rows_skipped else ''}")
     fmt = report.format = detect_format(data.format, peek, data.source)
     dataset = StreamingSFT(data, tokenizer, fmt, seed)
     if next(dataset.rows(), None) is None and len(peek) < PEEK_ROWS:

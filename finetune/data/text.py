@@ -250,7 +250,8 @@ def load_sft_dataset(data: DataConfig, tokenizer, records: list[Record] | None =
     else:
         report.rows_read = len(records)
     if not records:
-        raise RecipeError(f"data.source={data.source}: no rows to read")
+        skipped = f" ({report.bad_rows_skipped:,} bad rows skipped; data.on_bad_row=error names the first)"
+        raise RecipeError(f"data.source={data.source}: no rows to read{skipped if report.bad_rows_skipped else ''}")
     fmt = report.format = detect_format(data.format, records, data.source)
     rows, strings = [], []  # (where, first string, how many, cut); every string is tokenized in one batch call
     max_chars = char_limit(tokenizer, data.max_length)
