@@ -20,8 +20,8 @@ from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps
-from finetune.recipe_trainer import RecipeTrainer
 from finetune.training import distributed, evaluation, reporting, schedules
+from finetune.training.recipe_trainer import RecipeTrainer
 
 
 def build(

@@ -62,7 +62,8 @@ def load_timings(output_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
     line. Empty without the file."""
     steps: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    path = os.path.join(output_dir, TIMINGS)
+    # beside trainer_state.json: the output folder's at the end of a run, else the newest checkpoint's
+    path = os.path.join(os.path.dirname(state_file(output_dir)), TIMINGS)
     if not os.path.isfile(path):
         return steps, evals
     for line in open(path):

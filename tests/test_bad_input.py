@@ -90,9 +90,11 @@ CASES = [
     ("over-length row", lambda t: ["data.truncation=error", "data.max_length=16"], {},
      r"^error: \S+stdlib_docs\S*\.jsonl line 1: \d+ tokens, longer than data\.max_length=16; raise "
      r"data\.max_length or set data\.truncation=right \(cut\) or drop$"),
-    ("missing image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'gone.png')}"], {},
+    ("missing image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'gone.png')}",
+                                     "eval.fraction=0", "eval.every_steps=0"], {},
      r"^error: \S+images\.jsonl line 1: image 1 of 1: image \S+gone\.png not found \(data\.on_bad_row=skip"),
-    ("corrupt image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'bad.png')}"], {},
+    ("corrupt image", lambda t: ["recipe=recipes/vlm.yaml", f"data.source={image_rows(t, 'bad.png')}",
+                                     "eval.fraction=0", "eval.every_steps=0"], {},
      r"^error: \S+images\.jsonl line 1: image 1 of 1: image \S+bad\.png cannot be read \(.+\) \(data\.on_bad_row"),
     ("fp16 recipe under a bf16 accelerate config", lambda t: ["train.precision=fp16"],
      {"ACCELERATE_MIXED_PRECISION": "bf16"},

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.recipe import load_config
-from finetune.recipe_trainer import RecipeTrainer, nonfinite_verdict
+from finetune.training.recipe_trainer import RecipeTrainer, nonfinite_verdict
 
 COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3", "train.save_steps=1",
           "log.wandb_mode=disabled"]

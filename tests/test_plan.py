@@ -99,6 +99,7 @@ class GpuLikeTrials:
 
     on_gpu, oom, gradient_bytes, device = True, torch.OutOfMemoryError, 0, "cuda:0"
     longest = {"input_ids": [0] * 100}
+    trainer = None  # no built trainer: no eval set to measure
 
     def __init__(self):
         self.tried = []

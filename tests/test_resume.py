@@ -149,8 +149,8 @@ def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tm
 
 @pytest.mark.e2e
 def test_resuming_with_other_data_or_ranks_is_an_error_unless_allowed_then_warns(reference, tmp_path, monkeypatch):
-    from finetune import recipe_trainer as trainer_module
     from finetune.assemble import build
+    from finetune.training import recipe_trainer as trainer_module
 
     state = checkpoints.read_state(str(reference("padded") / "checkpoint-2"))
     warnings = []

@@ -72,16 +72,16 @@ def test_passes_on_packed_budgeted_rows_with_lora(capsys):
 @pytest.mark.e2e
 def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     """A check that can fail: the classic bug (mean of micro-batch means) is reported far above tolerance."""
-    import finetune.recipe_trainer
+    import finetune.training.recipe_trainer
 
-    class PerMicroBatchMean(finetune.recipe_trainer.RecipeTrainer):
+    class PerMicroBatchMean(finetune.training.recipe_trainer.RecipeTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if num_items_in_batch is not None:  # each micro-batch divided by its own targets, then by accumulation
                 own = int((inputs["labels"][..., 1:] != -100).sum())
                 num_items_in_batch = own * self.args.gradient_accumulation_steps
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    monkeypatch.setattr(finetune.recipe_trainer, "RecipeTrainer", PerMicroBatchMean)
+    monkeypatch.setattr(finetune.training.recipe_trainer, "RecipeTrainer", PerMicroBatchMean)
     code = verify.main([DEBUG, "train.max_grad_norm=0"])
     out = capsys.readouterr().out
     assert code == 1, out

@@ -10,6 +10,7 @@ Nothing heavy is imported before the recipe is known good: a typo fails in a sec
 
 from __future__ import annotations
 
+import os
 import sys
 
 from finetune.recipe import Config, load_config, to_yaml
@@ -54,7 +55,11 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
             return 0
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
-        lifecycle.save_final(trainer, {"recipe.yaml": to_yaml(cfg)} if trainer.is_world_process_zero() else {})
+        texts = {"recipe.yaml": to_yaml(cfg)}
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, reporting.TimingLog):
+                texts[os.path.basename(callback.path)] = callback.text()
+        lifecycle.save_final(trainer, texts if trainer.is_world_process_zero() else {})
     figures = reporting.summary(cfg, trainer)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, reporting.RecipeWandbCallback):

@@ -93,8 +93,8 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     import psutil
     import torch
 
-    from finetune import recipe_trainer
     from finetune.assemble import build
+    from finetune.training import recipe_trainer
 
     recorder = WindowRecorder()
     trainer_cls = recording_trainer(recipe_trainer.RecipeTrainer, recorder, steps)

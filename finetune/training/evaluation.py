@@ -3,7 +3,7 @@
 When: before the first step (the Trainer's `eval_on_start`, on a fresh start only: a resumed run's log history holds
 that evaluation already), every `eval.every_steps` optimizer steps (`eval_strategy="steps"`) and after the last step
 (`EvaluateAtEnd`). The eval loss is `TokenNormTrainer.evaluate()`'s exact token mean of the whole eval set; its
-micro-batches come through the Trainer's own evaluation loop with the eval set's collator (`HeldOutEvaluation`).
+micro-batches come through the Trainer's own evaluation loop with the eval set's collator (RecipeTrainer).
 
 Logged per evaluation: `eval_loss`, `eval_perplexity` (exp of the loss), `eval_label_tokens` (all of them in
 trainer_state.json's log history, which a resumed run reproduces) and `eval_tokens_per_s` (real tokens of the eval set
@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,79 +69,29 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-class HeldOutEvaluation:
-    """Mixed into RecipeTrainer (before TokenNormTrainer): the eval set's collator, the evaluation before the first step
-    of a fresh run, perplexity and eval tokens/s per evaluation, the best model."""
-
-    def __init__(self, *args, eval_setup: EvalSetup | None = None, **kwargs):
-        self.eval_setup = eval_setup
-        self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
-        super().__init__(*args, **kwargs)
-
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.eval_setup is not None:
-            self.args.eval_on_start = not resume_from_checkpoint
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _pause_meter(self, started: float) -> None:
-        """The step meter's clock skips a best-model save (TokenNormTrainer.evaluate skips evaluations itself):
-        training tokens/s stay training's."""
-        self.meter.since += time.perf_counter() - started
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        if self.eval_setup is None:
-            return super().get_eval_dataloader(eval_dataset)
-        collator, self.data_collator = self.data_collator, self.eval_setup.collator
-        try:
-            return super().get_eval_dataloader(eval_dataset)
-        finally:
-            self.data_collator = collator
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        evaluation = self.eval_setup is not None and "eval_loss" in logs
-        if evaluation:
-            logs["eval_perplexity"] = perplexity(logs["eval_loss"])
-            if logs.get("eval_runtime"):
-                logs["eval_tokens_per_s"] = self.eval_setup.tokens / logs["eval_runtime"]
-                self.eval_speeds.append(logs["eval_tokens_per_s"])
-        super().log(logs, start_time)
-        if evaluation:  # callbacks saw them; the saved history keeps what a resumed run reproduces
-            for key in EVAL_TIMING_KEYS:
-                self.state.log_history[-1].pop(key, None)
-
-    def _determine_best_metric(self, metrics, trial) -> bool:
-        new_best = super()._determine_best_metric(metrics, trial)
-        if new_best and self.eval_setup is not None:
-            self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
-            if self.eval_setup.keep_best:
-                started = time.perf_counter()
-                self._save_best()
-                self._pause_meter(started)
-        return new_best
-
-    def _save_best(self) -> None:
-        """The model (and tokenizer or processor) into output_dir/best: staged, then renamed into place."""
-        out = self.args.output_dir
-        staged, final = os.path.join(staging_root(out), BEST), os.path.join(out, BEST)
-        if self.args.should_save:
-            shutil.rmtree(staged, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        try:
-            self.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-            if self.args.should_save:
-                with open(os.path.join(staged, BEST_FILE), "w") as f:
-                    json.dump({"step": self.state.global_step, "eval_loss": self.state.best_metric}, f)
-                commit(staged, final)
-        except Exception as e:
-            if write_failure(e) is None:
-                raise
-            shutil.rmtree(staging_root(out), ignore_errors=True)
-            raise write_error(out, "the best model", write_failure(e)) from None
-        if self.args.should_save:
-            with contextlib.suppress(OSError):
-                os.rmdir(staging_root(out))  # when empty
-            tqdm.write(f"best eval loss so far ({self.state.best_metric:.4f}): model saved to {final}")
-        self.accelerator.wait_for_everyone()
+def save_best(trainer) -> None:
+    """The model (and tokenizer or processor) into output_dir/best: staged, then renamed into place."""
+    out = trainer.args.output_dir
+    staged, final = os.path.join(staging_root(out), BEST), os.path.join(out, BEST)
+    if trainer.args.should_save:
+        shutil.rmtree(staged, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    try:
+        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        if trainer.args.should_save:
+            with open(os.path.join(staged, BEST_FILE), "w") as f:
+                json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)
+            commit(staged, final)
+    except Exception as e:
+        if write_failure(e) is None:
+            raise
+        shutil.rmtree(staging_root(out), ignore_errors=True)
+        raise write_error(out, "the best model", write_failure(e)) from None
+    if trainer.args.should_save:
+        with contextlib.suppress(OSError):
+            os.rmdir(staging_root(out))  # when empty
+        tqdm.write(f"best eval loss so far ({trainer.state.best_metric:.4f}): model saved to {final}")
+    trainer.accelerator.wait_for_everyone()
 
 
 class EarlyStopping(EarlyStoppingCallback):

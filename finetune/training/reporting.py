@@ -110,25 +110,45 @@ class StepProgress(ProgressCallback):
 
 
 class TimingLog(TrainerCallback):
-    """train.output_dir/timings.jsonl on rank 0: per logged step its tokens/s, samples/s, peak memory and MFU, per
-    evaluation its eval tokens/s; the figures trainer_state.json leaves out (a resumed run could not reproduce them).
-    A fresh run starts the file; a resumed one appends (a step logged twice: its last line counts)."""
+    """timings.jsonl on rank 0: per logged step its tokens/s, samples/s, peak memory and MFU, per evaluation its eval
+    tokens/s; the figures trainer_state.json leaves out (a resumed run could not reproduce them). Kept in memory and
+    written whole into each checkpoint-N and, with the final save, into train.output_dir (`text()`), so a run that
+    stops with an error leaves no file of its own behind; a resumed run keeps the lines its checkpoint holds."""
 
     KEYS = (*TIMING_KEYS, "eval_tokens_per_s")
 
+    NAME = "timings.jsonl"
+
     def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, "timings.jsonl")
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, self.NAME)
+        self.lines: list[str] = []
+
+    def checkpoint_file(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"checkpoint-{step}", self.NAME)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and state.global_step == 0 and os.path.exists(self.path):
-            os.remove(self.path)
+        self.lines = []
+        saved = self.checkpoint_file(state.global_step)
+        if state.global_step > 0 and os.path.isfile(saved):  # resumed: the steps its checkpoint holds
+            with open(saved) as f:
+                self.lines = [line for line in f if json.loads(line)["step"] <= state.global_step]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         figures = {key: logs[key] for key in self.KEYS if (logs or {}).get(key) is not None}
         if state.is_world_process_zero and figures:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, **figures}) + "\n")
+            self.lines.append(json.dumps({"step": state.global_step, **figures}) + "\n")
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.dirname(self.checkpoint_file(state.global_step))
+        if state.is_world_process_zero and os.path.isdir(folder):
+            staged = os.path.join(folder, self.NAME + ".tmp")
+            with open(staged, "w") as f:
+                f.write(self.text())
+            os.replace(staged, os.path.join(folder, self.NAME))
+
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 class RecipeWandbCallback(WandbCallback):

@@ -16,8 +16,8 @@ import sys
 from transformers import TrainerCallback
 
 import finetune.tools.train
-from finetune.recipe_trainer import RecipeTrainer
 from finetune.training import checkpoints
+from finetune.training.recipe_trainer import RecipeTrainer
 
 
 def die() -> None:

@@ -1,23 +1,24 @@
-"""`RecipeTrainer`: what `finetune/train.py` runs — `TokenNormTrainer` plus what a recipe asks of a whole run.
+"""`RecipeTrainer`: what a recipe run trains with — `TokenNormTrainer` plus what a recipe asks of a whole run.
 
 The recipe's optimizer and schedule (built at the Trainer's create_optimizer/create_scheduler), checkpoints that are
-complete or absent and resume bitwise (finetune/checkpoints.py), non-finite values (train.on_nonfinite) and stop
-requests (SIGTERM/SIGINT, finetune/lifecycle.py), agreed on by all ranks once per optimizer step.
+complete or absent and resume bitwise (checkpoints.py), non-finite values (train.on_nonfinite) and stop requests
+(SIGTERM/SIGINT, lifecycle.py), agreed on by all ranks once per optimizer step; evaluation on the recipe's eval set
+(evaluation.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 from transformers import PrinterCallback
 from transformers.utils import logging
 
-from finetune import checkpoints
-from finetune.config import RecipeError
+from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
-from finetune.training.evaluation import HeldOutEvaluation
+from finetune.training import checkpoints, evaluation
 
 logger = logging.get_logger(__name__)
 # What each entry of a checkpoint's data position comes from, in recipe keys
@@ -44,19 +45,21 @@ def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite:
     return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
 
 
-class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
-    """What `finetune/train.py` runs: TokenNormTrainer with the recipe's optimizer and schedule.
+class RecipeTrainer(TokenNormTrainer):
+    """What a recipe run trains with: TokenNormTrainer with the recipe's optimizer and schedule.
 
     Both are built at the Trainer's own hooks, so the optimizer sees the model as FSDP2/ZeRO wrap it, and the schedule
     gets the Trainer's count of optimizer steps (never micro-batches) and is stepped by the Trainer once per step.
-    Checkpoints are complete or absent (finetune/checkpoints.py). Once per optimizer step, before
+    Checkpoints are complete or absent (finetune/training/checkpoints.py). Once per optimizer step, before
     the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
     counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
-    Evaluation on the recipe's eval set, the best model (`eval_setup=`): finetune/training/evaluation.py.
+    Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
+    run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
     """
 
     def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
-                 stop_request=None, data_order_change: str = "error", **kwargs):
+                 stop_request=None, data_order_change: str = "error",
+                 eval_setup: evaluation.EvalSetup | None = None, **kwargs):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
@@ -64,8 +67,10 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
         self._window_finite: bool | torch.Tensor = True
         self._nonfinite_veto = False  # this step's verdict (non-finite loss or gradients): no update
         self.staging = False  # True while a checkpoint is written: the Trainer's output dir is then the staging dir
+        self.eval_setup = eval_setup
+        self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
-        # StepProgress (finetune/reporting.py) prints one line per step instead of disable_tqdm's dict printer
+        # StepProgress (finetune/training/reporting.py) prints one line per step instead of disable_tqdm's printer
         self.remove_callback(PrinterCallback)
 
     def _get_train_sampler(self, train_dataset=None):
@@ -77,6 +82,8 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
         if isinstance(resume_from_checkpoint, str):
             checkpoints.check_same_model(resume_from_checkpoint, self.model)
             self.restore_checkpoint_state(checkpoints.read_state(resume_from_checkpoint))
+        if self.eval_setup is not None:  # a resumed run's log history holds the evaluation before step 1 already
+            self.args.eval_on_start = not resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args, **kwargs):
@@ -190,10 +197,40 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:
             logs["nonfinite_skipped"] = self.nonfinite_skipped
+        evaluated = self.eval_setup is not None and "eval_loss" in logs
+        if evaluated:
+            logs["eval_perplexity"] = evaluation.perplexity(logs["eval_loss"])
+            if logs.get("eval_runtime"):
+                logs["eval_tokens_per_s"] = self.eval_setup.tokens / logs["eval_runtime"]
+                self.eval_speeds.append(logs["eval_tokens_per_s"])
         super().log(logs, start_time)
+        if evaluated:  # callbacks saw them; the saved history keeps what a resumed run reproduces
+            for key in evaluation.EVAL_TIMING_KEYS:
+                self.state.log_history[-1].pop(key, None)
+
+    # ---- evaluation on the recipe's eval set ----
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if self.eval_setup is None:
+            return super().get_eval_dataloader(eval_dataset)
+        collator, self.data_collator = self.data_collator, self.eval_setup.collator
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = collator
+
+    def _determine_best_metric(self, metrics, trial) -> bool:
+        new_best = super()._determine_best_metric(metrics, trial)
+        if new_best and self.eval_setup is not None:
+            self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
+            if self.eval_setup.keep_best:
+                started = time.perf_counter()
+                evaluation.save_best(self)
+                self.meter.since += time.perf_counter() - started  # training tokens/s skip the save
+        return new_best
 
     def create_optimizer(self, model=None):
-        from finetune.optim import build_optimizer
+        from finetune.training.optim import build_optimizer
 
         if self.optimizer is None:
             target = model if model is not None else self.model
@@ -201,7 +238,7 @@ class RecipeTrainer(HeldOutEvaluation, TokenNormTrainer):
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        from finetune.schedules import build_scheduler
+        from finetune.training.schedules import build_scheduler
 
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(optimizer or self.optimizer, num_training_steps, self.schedule_config)
