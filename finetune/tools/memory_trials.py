@@ -109,17 +109,13 @@ class Trials:
         rows = [dict(copy_row) for _ in range(count)]
         return ([rows] if is_budgeted(self.cfg.data) else rows), count * len(copy_row["input_ids"])
 
-    def peak(self, value: int) -> tuple[float, float]:
-        """One training step at `value`: (memory before, peak memory), bytes; torch.OutOfMemoryError on a GPU."""
+    @contextlib.contextmanager
+    def measured(self):
+        """Memory around what runs inside, gradients freed first: yields {"before": bytes}, adds "peak" on success."""
         import gc
 
         import torch
 
-        if self.warm_up:
-            smallest, self.warm_up = self.warm_up, None
-            self.peak(smallest)
-        items, tokens = self.items(value)
-        batch = self.trainer.data_collator(items)
         self.model.zero_grad(set_to_none=True)
         gc.collect()
         profiler = None
@@ -132,19 +128,34 @@ class Trials:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             with quiet_stderr():  # kineto prints a line at every start and stop
                 profiler.start()
+        figures = {"before": float(before)}
         try:
-            with self.trainer.accelerator.autocast():
-                self.trainer.training_step(self.model, batch, num_items_in_batch=torch.tensor(tokens))
-            self.trainer.optimizer.step()
-            self.model.zero_grad(set_to_none=True)
+            yield figures
         finally:
             if profiler:
                 with quiet_stderr():
                     profiler.stop()
+        peak = torch.cuda.max_memory_reserved(self.device) if self.on_gpu else before + peak_allocation(profiler)
+        figures["peak"] = float(peak)
+
+    def peak(self, value: int) -> tuple[float, float]:
+        """One training step at `value`: (memory before, peak memory), bytes; torch.OutOfMemoryError on a GPU."""
+        import torch
+
+        if self.warm_up:
+            smallest, self.warm_up = self.warm_up, None
+            self.peak(smallest)
+        items, tokens = self.items(value)
+        batch = self.trainer.data_collator(items)
+        try:
+            with self.measured() as figures:
+                with self.trainer.accelerator.autocast():
+                    self.trainer.training_step(self.model, batch, num_items_in_batch=torch.tensor(tokens))
+                self.trainer.optimizer.step()
+        finally:
             self.model.zero_grad(set_to_none=True)
             del batch
-        peak = torch.cuda.max_memory_reserved(self.device) if self.on_gpu else before + peak_allocation(profiler)
-        return float(before), float(peak)
+        return figures["before"], figures["peak"]
 
     def tokens(self, value: int) -> int:
         return self.items(value)[1]
@@ -163,34 +174,15 @@ class Trials:
     def eval_peak(self) -> tuple[float, float]:
         """One eval forward (no gradients, eval mode) on the worst-case eval micro-batch, as the Trainer's evaluation
         loop runs it: (memory before, peak memory), bytes; torch.OutOfMemoryError on a GPU."""
-        import gc
-
-        import torch
-
         batch = self.trainer.eval_setup.collator(self.eval_items()[0])
-        self.model.zero_grad(set_to_none=True)  # between optimizer steps the gradients are gone
-        gc.collect()
-        profiler = None
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_reserved(self.device)
-        else:
-            before = trimmed_rss()
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            with quiet_stderr():
-                profiler.start()
-        self.model.eval()
         try:
-            self.trainer.prediction_step(self.model, batch, prediction_loss_only=True)
+            with self.measured() as figures:  # between optimizer steps the gradients are gone
+                self.model.eval()
+                self.trainer.prediction_step(self.model, batch, prediction_loss_only=True)
         finally:
             self.model.train()
-            if profiler:
-                with quiet_stderr():
-                    profiler.stop()
             del batch
-        peak = torch.cuda.max_memory_reserved(self.device) if self.on_gpu else before + peak_allocation(profiler)
-        return float(before), float(peak)
+        return figures["before"], figures["peak"]
 
     def kv_cache_bytes(self) -> tuple[float, int]:
         """(bytes, tokens) of the KV cache generating a sample from the longest sample prompt: keys and values of

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from finetune.env import is_main_process
 from finetune.recipe import RecipeError
+from finetune.training.checkpoints import fsync
 
 LOCK = ".lock"
 FINAL_SET = ".final_set.json"  # in a final set: the names of its files and folders
@@ -158,14 +159,6 @@ def _exchange(a: Path, b: Path) -> None:
     os.replace(parked, b)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def swap_in(output_dir: str, staged: Path) -> None:
     """`staged` (a complete final set, in `sibling(output_dir)`) becomes OUTPUT_DIR's final set: see the module."""
     out = Path(output_dir).resolve()
@@ -178,7 +171,7 @@ def swap_in(output_dir: str, staged: Path) -> None:
     fcntl.flock(new_lock, fcntl.LOCK_EX)
     (staged / CARRIED).write_text(json.dumps(carried))
     for folder in (staged, staged.parent):
-        _fsync_dir(folder)
+        fsync(folder)
     for name in carried:
         os.replace(out / name, staged / name)
     _exchange(out, staged)
@@ -187,7 +180,7 @@ def swap_in(output_dir: str, staged: Path) -> None:
     with contextlib.suppress(OSError):
         os.remove(out / CARRIED)
     shutil.rmtree(staged, ignore_errors=True)  # the previous final set
-    _fsync_dir(out.parent)
+    fsync(out.parent)
 
 
 def recover(output_dir: str) -> str | None:
