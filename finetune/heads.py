@@ -109,3 +109,16 @@ def head_passes_hidden_states(head: torch.nn.Module):
         yield
     finally:
         del head.forward
+
+
+def returned_unchanged(returned: torch.Tensor | None, head_output: torch.Tensor) -> bool:
+    """Whether a model returned its LM head's output as it was: the same tensor, or (under mixed precision, where
+    accelerate's `convert_outputs_to_fp32` wraps the forward) a float32 copy of it and nothing else."""
+    if returned is head_output:
+        return True
+    if returned is None or returned.shape != head_output.shape or returned.dtype != torch.float32:
+        return False
+    cast = returned.grad_fn
+    if cast is not None and head_output.grad_fn is not None:  # training: read the graph, no host sync
+        return cast.name() == "ToCopyBackward0" and cast.next_functions[0][0] is head_output.grad_fn
+    return torch.equal(returned, head_output.float())

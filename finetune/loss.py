@@ -14,6 +14,8 @@ Label smoothing is torch's (`F.cross_entropy(label_smoothing=…)`), which per t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -92,15 +94,51 @@ def kept_cross_entropy_sum(
     kept_logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same sum from logits computed only where `targets != -100` ([N, V], row-major order)."""
-    kept_targets = targets[targets != IGNORE_INDEX]
-    if kept_logits.dim() != 2 or kept_logits.shape[0] != kept_targets.numel():
-        raise ValueError(f"kept logits {tuple(kept_logits.shape)} do not match {kept_targets.numel()} targets")
-    return _summed_cross_entropy(kept_logits, kept_targets, label_smoothing), torch.tensor(kept_targets.numel())
+    count = kept_logits.shape[0] if kept_logits.dim() == 2 else -1
+    _check_kept(count, targets, "kept logits", kept_logits.shape)
+    kept = kept_targets(targets, count).to(kept_logits.device)
+    return _summed_cross_entropy(kept_logits, kept, label_smoothing), torch.tensor(count)
 
 
-def head_chunk_rows(vocab_size: int, budget_elements: int = 1 << 24) -> int:
-    """Rows of logits computed at once by the chunked head: about 64 MB of float32 logits per chunk."""
+def _check_kept(count: int, targets: torch.Tensor, what: str, shape) -> None:
+    # Checked where it costs nothing (host targets, a tensor's rank); on a GPU the count is the model's own.
+    if count < 0 or (targets.device.type == "cpu" and int((targets != IGNORE_INDEX).sum()) != count):
+        raise ValueError(f"{what} {tuple(shape)} do not match {int((targets != IGNORE_INDEX).sum())} targets")
+
+
+def kept_targets(targets: torch.Tensor, count: int) -> torch.Tensor:
+    """`targets[targets != -100]` (row-major) without a host sync: `count` is already known on the host (the rows
+    the model kept), so a stable sort puts the kept positions first instead of a data-dependent mask."""
+    flat = targets.reshape(-1)
+    ignored = (flat == IGNORE_INDEX).to(torch.int32)
+    return flat[torch.sort(ignored, stable=True).indices[:count]]
+
+
+def head_chunk_rows(vocab_size: int, device: torch.device | None = None) -> int:
+    """Rows of logits computed at once by the chunked head: about 64 MB of float32 logits per chunk on a CPU, 256 MB
+    on a GPU (bigger GEMMs, fewer launches)."""
+    budget_elements = 1 << (26 if device is not None and device.type == "cuda" else 24)
     return max(64, budget_elements // max(vocab_size, 1))
+
+
+@functools.cache
+def _mm_takes_out_dtype(device_type: str) -> bool:
+    """Whether `torch.mm(..., out_dtype=float32)` runs low-precision GEMMs into float32 outputs here (CUDA)."""
+    try:
+        a = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+    """a @ b in a's dtype with its products summed in float32 (what autocast's GEMMs do), returned as `accumulate`:
+    straight into float32 where the backend can (no rounding to bf16/fp16 in between)."""
+    if a.dtype == accumulate:
+        return a @ b
+    if a.device.type == "cuda" and _mm_takes_out_dtype("cuda"):
+        return torch.mm(a, b, out_dtype=accumulate)
+    return (a @ b).to(accumulate)
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -109,20 +147,26 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     The gradients are computed chunk by chunk during the forward (softmax − smoothed one-hot is all the backward
     needs), so neither the logits nor their softmax are kept for the backward: memory O(tokens × hidden + vocab ×
     hidden) instead of O(tokens × vocab). The same idea as fused linear-cross-entropy kernels, in plain torch.
+
+    `compute_dtype` (bf16/fp16 under mixed precision) is the GEMMs' input dtype, as autocast would make it for the
+    model's own head; logits, the log-sum-exp, the loss and the weight's gradient accumulate in float32 whatever it is.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int, label_smoothing: float):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows: int, label_smoothing: float, compute_dtype):
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # as _summed_cross_entropy
+        compute = compute_dtype or weight.dtype
+        cast_weight = weight.to(compute)  # once per micro-batch, not per chunk
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=accumulate, device=bias.device)
         loss_sum = torch.zeros((), dtype=accumulate, device=hidden.device)
         hit = 1.0 - label_smoothing
         for start in range(0, hidden.shape[0], chunk_rows):
-            rows = hidden[start : start + chunk_rows]
-            logits = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
-            logits = logits.to(accumulate)
+            rows = hidden[start : start + chunk_rows].to(compute)
+            logits = _matmul(rows, cast_weight.t(), accumulate)
+            if bias is not None:
+                logits += bias.to(accumulate)
             target = targets[start : start + chunk_rows]
             log_norm = torch.logsumexp(logits, dim=-1)
             # per target: logsumexp − (1 − ε)·logit[target] − ε·mean(logits)
@@ -135,10 +179,14 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad_logits[torch.arange(target.shape[0], device=target.device), target] -= hit
             if label_smoothing:
                 grad_logits -= label_smoothing / logits.shape[-1]
-            grad_hidden[start : start + chunk_rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight.addmm_(grad_logits.t(), rows.to(accumulate))
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+            grad_logits = grad_logits.to(compute)
+            grad_hidden[start : start + chunk_rows] = (grad_logits @ cast_weight).to(hidden.dtype)
+            if compute == accumulate:  # in place: no second [vocab × hidden] buffer
+                grad_weight.addmm_(grad_logits.t(), rows)
+            else:
+                grad_weight += _matmul(grad_logits.t(), rows, accumulate)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
                               None if grad_bias is None else grad_bias.to(bias.dtype))
         return loss_sum
@@ -156,20 +204,22 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def head_cross_entropy_sum(
     kept_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0.0, compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
-    (and bias), computed in chunks so that [N, V] logits never exist whole."""
-    kept_targets = targets[targets != IGNORE_INDEX].to(kept_hidden.device)
-    if kept_hidden.dim() != 2 or kept_hidden.shape[0] != kept_targets.numel():
-        raise ValueError(f"kept hidden states {tuple(kept_hidden.shape)} do not match {kept_targets.numel()} targets")
-    if kept_targets.numel() == 0:  # keeps the graph (zero gradients) without an empty matmul
+    (and bias), computed in chunks so that [N, V] logits never exist whole. `compute_dtype`: the GEMMs' dtype under
+    mixed precision (None: the weight's). The count is the host's (N): no host sync."""
+    count = kept_hidden.shape[0] if kept_hidden.dim() == 2 else -1
+    _check_kept(count, targets, "kept hidden states", kept_hidden.shape)
+    if count == 0:  # keeps the graph (zero gradients) without an empty matmul
         return kept_hidden.sum() * 0.0, torch.tensor(0)
-    chunk_rows = head_chunk_rows(weight.shape[0])
-    total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept_targets, chunk_rows, label_smoothing)
-    return total, torch.tensor(kept_targets.numel())
+    kept = kept_targets(targets, count).to(kept_hidden.device)
+    chunk_rows = head_chunk_rows(weight.shape[0], kept_hidden.device)
+    total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept, chunk_rows, label_smoothing, compute_dtype)
+    return total, torch.tensor(count)

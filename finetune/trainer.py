@@ -38,6 +38,7 @@ from transformers.utils import logging
 
 from finetune.heads import (
     head_passes_hidden_states,
+    returned_unchanged,
     logits_of,
     loss_kind,
     loss_type_of,
@@ -102,6 +103,10 @@ class TokenNormTrainer(Trainer):
         # unchanged. None: not known yet; False: use the model's logits.
         self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
         self._window_label_tokens: int | None = None
+        # Under mixed precision the chunked head's GEMMs take the autocast dtype, as the model's own head would (the
+        # loss runs outside the forward, where autocast is not active).
+        self._head_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            self.accelerator.mixed_precision) if self.accelerator.native_amp else None
         self._eval_sums: torch.Tensor | None = None  # [loss sum, label tokens] while an evaluation loop runs
         self._gated_optimizer = None
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
@@ -126,6 +131,14 @@ class TokenNormTrainer(Trainer):
             dataloader.device = None
         return dataloader
 
+    def _prepare_input(self, data):
+        # The window's micro-batches wait on the host (pinned on a GPU machine): copied without blocking the host, so
+        # the copy of micro-batch k + 1 does not wait for the backward of micro-batch k.
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and self.args.device.type == "cuda" and (
+                data.is_pinned() and not self.is_deepspeed_enabled):
+            return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
+
     # ---- window: count targets over all data-parallel ranks ----
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -140,18 +153,20 @@ class TokenNormTrainer(Trainer):
         if not batch_samples or not all(isinstance(b, Mapping) and "labels" in b for b in batch_samples):
             self._window_label_tokens = None
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
-        # One all-reduce per window for every count (label tokens first); tensor-parallel ranks hold replicas.
-        counts = torch.tensor(window_counts(batch_samples, self.loss_kind), dtype=torch.int64, device=device)
+        # Counted on the host, where the window waits; with several processes one all-reduce per window for every
+        # count (label tokens first; tensor-parallel ranks hold replicas) and one read back: the step's one count sync.
+        counts = window_counts(batch_samples, self.loss_kind)
         if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts, reduction="sum") // self.get_tp_size()
-        self.meter.add(counts.tolist())
-        self._window_label_tokens = int(counts[0])
+            reduced = self.accelerator.reduce(torch.tensor(counts, dtype=torch.int64, device=device), reduction="sum")
+            counts = (reduced // self.get_tp_size()).tolist()
+        self.meter.add(counts)
+        self._window_label_tokens = counts[0]
         if self._window_label_tokens == 0:
             logger.warning(
                 f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on any "
                 "rank; the weights are not updated for this step"
             )
-        return batch_samples, counts[0]
+        return batch_samples, self._window_label_tokens
 
     # ---- loss: sum from the logits, divided by the window's count ----
 
@@ -184,7 +199,8 @@ class TokenNormTrainer(Trainer):
         kept = keep_logits and logits is not None and logits.dim() == 2
         if hidden is not None:
             head = self._chunked_head
-            loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing)
+            loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing,
+                                                     self._head_dtype)
         elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
             row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
             self._add_eval(self.gather_function(torch.stack([row_sums, row_counts.double()], dim=1)))
@@ -203,8 +219,13 @@ class TokenNormTrainer(Trainer):
         if evaluating or num_items_in_batch is None:  # this batch's own token mean (evaluation, or a direct call)
             loss = loss_sum / count.clamp(min=1)
         else:
-            # clamp: an empty window has loss_sum 0 and makes zero gradients, never 0/0.
-            window_label_tokens = torch.as_tensor(num_items_in_batch, device=loss_sum.device).clamp(min=1)
+            # max: an empty window has loss_sum 0 and makes zero gradients, never 0/0. A host number divides
+            # without a copy to the device.
+            window_label_tokens = num_items_in_batch
+            if isinstance(window_label_tokens, torch.Tensor):
+                window_label_tokens = window_label_tokens.clamp(min=1).to(loss_sum.device)
+            else:
+                window_label_tokens = max(int(window_label_tokens), 1)
             loss = loss_sum / window_label_tokens * self._data_parallel_size()
         return (loss, outputs) if return_outputs else loss
 
@@ -262,7 +283,7 @@ class TokenNormTrainer(Trainer):
         finally:
             narrow.remove()
             record.remove()
-        if len(seen) == 1 and logits_of(outputs) is seen[0]:
+        if len(seen) == 1 and returned_unchanged(logits_of(outputs), seen[0]):
             self._chunked_head = head
             return outputs, kept[0]
         self._chunked_head = False
