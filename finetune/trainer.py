@@ -38,11 +38,11 @@ from transformers.utils import logging
 
 from finetune.heads import (
     head_passes_hidden_states,
-    returned_unchanged,
     logits_of,
     loss_kind,
     loss_type_of,
     plain_head,
+    returned_unchanged,
 )
 from finetune.loss import (
     IGNORE_INDEX,
