@@ -36,7 +36,8 @@ def test_chunked_head_loss_and_gradients_equal_the_brute_force(with_bias, monkey
     labels = torch.randint(0, 37, (3, 9))
     labels[0, :4] = -100
     labels[2, 5:] = -100
-    monkeypatch.setattr(loss_module, "head_chunk_rows", lambda vocab, device=None: 4)  # several chunks and a ragged last one
+    # several chunks and a ragged last one
+    monkeypatch.setattr(loss_module, "head_chunk_rows", lambda vocab, device=None: 4)
 
     params = [p.requires_grad_() for p in (hidden, weight, bias) if p is not None]
     expected = brute_force_sum(hidden, weight, bias, labels)
