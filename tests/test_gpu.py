@@ -111,11 +111,12 @@ def test_chunked_head_needs_a_fraction_of_plain_logits_memory():
 
 
 def test_fp16_overflow_skips_the_step_and_holds_the_schedule(tmp_path):
-    """A scale of 2^40 overflows the first steps: the weights stay, and the LR schedule does not advance on them
-    (GradScaler always calls a fused optimizer's step(); the schedule must still see the skip)."""
+    """A scale of 2^40 overflows the first steps: the weights stay, and the LR schedule does not advance on them.
+    (The recipe path never pairs a GradScaler with a fused optimizer, whose step() the scaler always calls:
+    tests/test_mixed_precision.py.)"""
     model = tiny_llama().cuda()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = cuda_args(tmp_path, 2, 1, "fp16", max_steps=2, lr_scheduler_type="linear", optim="adamw_torch_fused",
+    args = cuda_args(tmp_path, 2, 1, "fp16", max_steps=2, lr_scheduler_type="linear", optim="adamw_torch",
                      learning_rate=1e-3)
     trainer = TokenNormTrainer(model=model, args=args, train_dataset=ragged_rows(8, seed=1),
                                data_collator=RecordingCollator())
