@@ -5,6 +5,7 @@ from finetune.recipe import Config, RecipeError, load_config
 # Lazy: `finetune/train.py` checks a recipe before torch and transformers are imported, so a typo fails at once.
 _LAZY = {
     "TokenNormTrainer": "finetune.trainer",
+    "TokenNormSeq2SeqTrainer": "finetune.seq2seq_trainer",
     "build": "finetune.assemble",
     "count_label_tokens": "finetune.loss",
     "token_loss_sum": "finetune.loss",

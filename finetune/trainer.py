@@ -107,7 +107,8 @@ class TokenNormTrainer(Trainer):
         # loss runs outside the forward, where autocast is not active).
         self._head_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
             self.accelerator.mixed_precision) if self.accelerator.native_amp else None
-        self._eval_sums: torch.Tensor | None = None  # [loss sum, label tokens] while an evaluation loop runs
+        # [loss sum, label tokens, rows or batches summed] while an evaluation loop runs
+        self._eval_sums: torch.Tensor | None = None
         self._gated_optimizer = None
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
@@ -187,7 +188,8 @@ class TokenNormTrainer(Trainer):
                                  f"÷ num_items_in_batch); it returned {shape}")
             loss = loss.reshape(())
             if evaluating:
-                self._add_eval(self.accelerator.gather(torch.stack([loss.double() * count, count.double()])[None]))
+                summed = torch.stack([loss.double() * count, count.double(), count.new_ones((), dtype=torch.float64)])
+                self._add_eval(self.accelerator.gather(summed[None]))
             elif not per_batch:
                 loss = loss * self._data_parallel_size()
             return (loss, outputs) if return_outputs else loss
@@ -203,7 +205,8 @@ class TokenNormTrainer(Trainer):
                                                      self._head_dtype)
         elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
             row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
-            self._add_eval(self.gather_function(torch.stack([row_sums, row_counts.double()], dim=1)))
+            rows = torch.stack([row_sums, row_counts.double(), torch.ones_like(row_sums)], dim=1)
+            self._add_eval(self.gather_function(rows))
             loss_sum, count = row_sums.sum(), row_counts.sum()
         elif kept:
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
@@ -318,14 +321,22 @@ class TokenNormTrainer(Trainer):
         if self.loss_kind is None:
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                            metric_key_prefix)
-        self._eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        self._eval_sums = torch.zeros(3, dtype=torch.float64, device=self.args.device)
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
-            loss_sum, label_tokens = self._eval_sums.tolist()
+            loss_sum, label_tokens, summed = self._eval_sums.tolist()
         finally:
             self._eval_sums = None
-        if label_tokens > 0:  # every rank gathered every row: the same figures everywhere
+        if summed == 0 and f"{metric_key_prefix}_loss" in output.metrics:
+            # The loss came from somewhere compute_loss never saw (a subclass's prediction_step that calls the model
+            # itself, as Seq2SeqTrainer's generating step does): said, not passed off as exact.
+            logger.warning_once(
+                f"TokenNormTrainer: {metric_key_prefix}_loss is {type(self).__name__}'s own per-batch mean, not the "
+                "exact token mean: its prediction_step computed the loss without compute_loss. Use "
+                "finetune.TokenNormSeq2SeqTrainer for Seq2SeqTrainer code, or compute the loss with self.compute_loss."
+            )
+        elif label_tokens > 0:  # every rank gathered every row: the same figures everywhere
             output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / label_tokens
             output.metrics[f"{metric_key_prefix}_label_tokens"] = int(label_tokens)
         return output
