@@ -56,7 +56,7 @@ def per_sequence(query, key, value, edges: list[int], scale) -> torch.Tensor:
     for start, end in zip(edges, edges[1:]):
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, n, d]
         scores = q @ k.transpose(1, 2) * scale
-        future = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)
+        future = torch.ones(end - start, end - start, dtype=torch.bool, device=query.device).triu(1)
         pieces.append((scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1))
     return torch.cat(pieces)
 
