@@ -21,6 +21,7 @@ chunk, overlay or KV-cache offset (a plain or a packed row); every other call ge
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -62,7 +63,10 @@ def row_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return [list(zip(s, s[1:] + [length])) for s in per_row]
 
 
-def cumulative_bounds(cu_seq_lens: torch.Tensor) -> list[list[tuple[int, int]]]:
+def cumulative_bounds(cu_seq_lens: torch.Tensor, keys: torch.Tensor | None = None) -> list[list[tuple]] | None:
+    """The one row's bounds from cu_seq_lens; None where the keys' cu_seq_lens differ (position_ids decide then)."""
+    if keys is not None and keys is not cu_seq_lens and not torch.equal(keys, cu_seq_lens):
+        return None
     edges = cu_seq_lens.tolist()
     return [list(zip(edges[:-1], edges[1:]))]
 
@@ -70,8 +74,12 @@ def cumulative_bounds(cu_seq_lens: torch.Tensor) -> list[list[tuple[int, int]]]:
 def sequence_bounds(batch: int, length: int, kwargs: dict) -> list[list[tuple[int, int]]]:
     """Sequence bounds per row, from the flash-attention kwargs where a collator gave them, else from position_ids."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if batch == 1 and cu_q is not None and (cu_k is None or cu_k is cu_q or torch.equal(cu_q, cu_k)):
-        return cached_bounds(cu_q, cumulative_bounds)
+    if batch == 1 and cu_q is not None:
+        # the keys' bounds are compared inside the cached read: once per forward, not once per layer (on a GPU each
+        # comparison is a host sync)
+        bounds = cached_bounds(cu_q, functools.partial(cumulative_bounds, keys=cu_k))
+        if bounds is not None:
+            return bounds
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.dim() != 2:
         raise RuntimeError(
