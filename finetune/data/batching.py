@@ -2,7 +2,8 @@
 
 - padded / length_grouped: `train.micro_batch_size` rows per micro-batch, padded to the longest (length_grouped
   uses the Trainer's LengthGroupedSampler so rows of similar length share a micro-batch).
-- packed: padding-free rows with position_ids restarting per sequence; `train.micro_batch_size` sequences per row,
+- packed: padding-free rows with position_ids restarting per sequence and the sequences' bounds (`cu_seq_lens_q/k`,
+  `max_length_q/k`, as transformers' flash-attention path reads them); `train.micro_batch_size` sequences per row,
   or as many as fit `data.max_tokens_per_micro_batch` when it is set.
 - token_budget: as many rows as fit `data.max_tokens_per_micro_batch` computed tokens (rows × padded length).
 
@@ -41,9 +42,12 @@ def row_collator(data: DataConfig, tokenizer) -> Callable:
     if data.batching == "packed":
         # Each sequence's first label becomes IGNORE_INDEX so no target crosses a boundary; attention stays within each
         # sequence by the restarting position_ids: train.build switches sdpa to per-sequence sdpa
-        # (finetune/model/packed_attention.py); others derive a block-diagonal mask
-        # or varlen bounds from them (only without a KV cache: the trainer runs without one).
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+        # (finetune/model/packed_attention.py); others derive a block-diagonal mask from them (only without a KV
+        # cache: the trainer runs without one). The varlen kernels (ours on CUDA, flash_attention_2) read the
+        # sequence bounds made here once per micro-batch on the host: cu_seq_lens_q/k (int32, cumulative from 0) and
+        # max_length_q/k (ints); without them flash_attention_2 re-derives them with host syncs in every layer.
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX,
+                                          return_flash_attn_kwargs=True)
     # Pads input_ids with the pad token and labels with IGNORE_INDEX, and builds the attention mask.
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 

@@ -6,7 +6,14 @@ head and layer, most of it masked out, and a masked call that cannot use sdpa's 
 (registered in transformers' AttentionInterface) attends within each sequence instead: Σ T_i² work, no mask, the same
 numbers. `finetune.assemble.build` switches a text model from `sdpa` to it when `data.batching` is packed, after
 checking on a small packed probe that its logits equal sdpa's (a start-up line says which ran). flash_attention_2
-(CUDA) runs varlen on packed rows already and is left alone; any other implementation is left alone too.
+(CUDA) runs varlen on packed rows already, from the collator's `cu_seq_lens_q/k`, and is left alone; any other
+implementation is left alone too.
+
+On CUDA the per-sequence loop is launch-bound (one sdpa per sequence and layer, forward and backward), so a packed row
+there goes to one varlen kernel call per layer (torch's `varlen_attn`, finetune/model/varlen_attention.py) fed by the
+bounds the collator made once per micro-batch. Where that kernel is missing (torch before 2.10: one warning at start)
+or cannot take a call (float32 without autocast, attention dropout, a batch without the collator's bounds: one warning
+per reason), the loop runs: the same numbers, slower.
 
 Where it applies: its mask function returns no mask only for a causal call without a padding mask, sliding window,
 chunk, overlay or KV-cache offset (a plain or a packed row); every other call gets sdpa's mask and runs as sdpa.
@@ -14,12 +21,18 @@ chunk, overlay or KV-cache offset (a plain or a packed row); every other call ge
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.utils import logging
+
+from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
+
+logger = logging.get_logger(__name__)
 
 NAME = "packed_sdpa"
 PROBE_LENGTHS = (6, 1, 2, 5)  # a one-token and a two-token sequence: the edges of a per-sequence split
@@ -50,7 +63,10 @@ def row_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return [list(zip(s, s[1:] + [length])) for s in per_row]
 
 
-def cumulative_bounds(cu_seq_lens: torch.Tensor) -> list[list[tuple[int, int]]]:
+def cumulative_bounds(cu_seq_lens: torch.Tensor, keys: torch.Tensor | None = None) -> list[list[tuple]] | None:
+    """The one row's bounds from cu_seq_lens; None where the keys' cu_seq_lens differ (position_ids decide then)."""
+    if keys is not None and keys is not cu_seq_lens and not torch.equal(keys, cu_seq_lens):
+        return None
     edges = cu_seq_lens.tolist()
     return [list(zip(edges[:-1], edges[1:]))]
 
@@ -58,8 +74,12 @@ def cumulative_bounds(cu_seq_lens: torch.Tensor) -> list[list[tuple[int, int]]]:
 def sequence_bounds(batch: int, length: int, kwargs: dict) -> list[list[tuple[int, int]]]:
     """Sequence bounds per row, from the flash-attention kwargs where a collator gave them, else from position_ids."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if batch == 1 and cu_q is not None and (cu_k is None or cu_k is cu_q or torch.equal(cu_q, cu_k)):
-        return cached_bounds(cu_q, cumulative_bounds)
+    if batch == 1 and cu_q is not None:
+        # the keys' bounds are compared inside the cached read: once per forward, not once per layer (on a GPU each
+        # comparison is a host sync)
+        bounds = cached_bounds(cu_q, functools.partial(cumulative_bounds, keys=cu_k))
+        if bounds is not None:
+            return bounds
     position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.dim() != 2:
         raise RuntimeError(
@@ -70,18 +90,27 @@ def sequence_bounds(batch: int, length: int, kwargs: dict) -> list[list[tuple[in
     return bounds * batch if len(bounds) == 1 and batch > 1 else bounds  # position_ids [1, T] shared by the rows
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
-    """transformers' attention signature: query [B, H, T, d], key/value [B, H_kv, T, d] → ([B, T, H, d], None)."""
+def plain_causal(module, query, key, attention_mask, is_causal, kwargs) -> bool:
+    """Whether a call is plain causal self-attention over whole rows (False: sdpa's path takes it); raises for what
+    neither path computes."""
     length = query.shape[2]
-    if attention_mask is not None or length != key.shape[2] or length == 1:  # not a plain causal call: sdpa's path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if attention_mask is not None or length != key.shape[2] or length == 1:
+        return False
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise RuntimeError(f"attention '{NAME}' is causal only; this module is not ({type(module).__name__})")
     for name in ("softcap", "position_bias", "sliding_window"):
         if kwargs.get(name) is not None:
             raise RuntimeError(f"attention '{NAME}' does not support {name}; use model.attn_implementation=sdpa")
+    return True
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          **kwargs):
+    """transformers' attention signature: query [B, H, T, d], key/value [B, H_kv, T, d] → ([B, T, H, d], None)."""
+    length = query.shape[2]
+    if not plain_causal(module, query, key, attention_mask, is_causal, kwargs):  # sdpa's path
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     bounds = sequence_bounds(query.shape[0], length, kwargs)
     if all(len(row) == 1 for row in bounds):  # one sequence per row: sdpa's own causal call
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
@@ -124,9 +153,42 @@ def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, m
                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, **kwargs)
 
 
-def register() -> None:
-    AttentionInterface.register(NAME, packed_sdpa_attention)
-    AttentionMaskInterface.register(NAME, packed_sdpa_mask)
+class PackedAttention:
+    """The attention function registered as `packed_sdpa`: a packed row on the varlen kernel's device (CUDA) in one
+    kernel call per layer (finetune/model/varlen_attention.py), every other call as `packed_sdpa_attention`. A call
+    the kernel cannot take (float32 without autocast, attention dropout, no bounds from the collator, ...) runs per
+    sequence, with one warning per reason."""
+
+    def __init__(self, varlen: VarlenKernel | None = None):
+        self.varlen = varlen
+        self.warned: set[str] = set()
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                 **kwargs):
+        kernel = self.varlen
+        if (kernel is not None and query.device.type == kernel.device
+                and plain_causal(module, query, key, attention_mask, is_causal, kwargs)):
+            reason = kernel.why_not(query, dropout, kwargs)
+            if reason is None:
+                return kernel(query, key, value, scaling, kwargs), None
+            cu = kwargs.get("cu_seq_lens_q")
+            alone = cu is not None and cu.numel() <= 2  # one sequence: sdpa's own call either way, nothing to say
+            if reason not in self.warned and not alone:
+                self.warned.add(reason)
+                logger.warning(f"attention '{NAME}': packed rows on {kernel.device} run causal sdpa per sequence, "
+                               f"not the varlen kernel: {reason}")
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     is_causal=is_causal, **kwargs)
+
+
+def register(attention: PackedAttention | None = None, name: str = NAME) -> PackedAttention:
+    """Register `attention` (default: with torch's varlen_attn where it can run) and its mask function as `name`."""
+    if attention is None:
+        fn = torch_varlen_attn()
+        attention = PackedAttention(VarlenKernel(fn) if fn is not None else None)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, packed_sdpa_mask)
+    return attention
 
 
 def probe_batch(model) -> dict:
@@ -143,11 +205,13 @@ def probe_error(model) -> str | None:
     """Why `packed_sdpa` would not give sdpa's logits on a small packed row (None: it does, to rounding)."""
     batch = probe_batch(model)
     training = model.training
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     logits = {}
     try:
         model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # random state untouched: resumes stay bitwise
+        # random state untouched: resumes stay bitwise. CPU only (devices=[]): an eval forward draws no CUDA random
+        # numbers, and forking the CUDA state would make a CUDA context on GPU 0 in every rank before accelerate
+        # gives each rank its device.
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for implementation in ("sdpa", NAME):
                 model.config._attn_implementation = implementation
                 logits[implementation] = model(**batch).logits.float()
@@ -184,9 +248,16 @@ def use_for_packed_rows(model) -> str:
     current = model.config._attn_implementation
     if current != "sdpa":
         return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
-    register()
+    attention = register()
     reason = config_reason(model.config) or probe_error(model)
     if reason is not None:
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
     model.config._attn_implementation = NAME
-    return f"attention: {NAME}, causal sdpa on each sequence of a packed row (finetune/model/packed_attention.py)"
+    if attention.varlen is None and torch.cuda.is_available():
+        logger.warning(f"attention '{NAME}': torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn, "
+                       "so packed rows on CUDA run causal sdpa per sequence (one call per sequence and layer); "
+                       "torch>=2.10 runs one varlen kernel per layer, as does model.attn_implementation="
+                       "flash_attention_2 where flash-attn is installed")
+    on_cuda = "; on CUDA one varlen_attn call per layer" if attention.varlen is not None else ""
+    return (f"attention: {NAME}, causal sdpa on each sequence of a packed row{on_cuda} "
+            "(finetune/model/packed_attention.py)")
