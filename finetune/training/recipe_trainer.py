@@ -234,7 +234,8 @@ class RecipeTrainer(TokenNormTrainer):
 
         if self.optimizer is None:
             target = model if model is not None else self.model
-            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr)
+            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr,
+                                             grad_scaled=self.accelerator.scaler is not None)
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

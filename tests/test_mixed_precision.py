@@ -1,0 +1,74 @@
+"""Mixed precision on the paths a CPU can run: fp16 overflow and the LR schedule, MFU peaks, the precision checks.
+
+fp16 runs on a CPU through autocast and `torch.amp.GradScaler("cpu")` (accelerate itself gives a CPU no scaler, so
+the optimizer is wrapped here as accelerate wraps it on a GPU). GPU-only behaviour is in tests marked `gpu`.
+"""
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+
+from finetune.training.optim import step_implementation
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def lr_around_an_overflow(impl: dict) -> tuple[float, float, torch.Tensor]:
+    """One fp16 step whose gradient overflows, as transformers' loop runs it: the scaler steps accelerate's optimizer,
+    and the schedule steps unless accelerate reports the step skipped. (LR before, LR after, the weights after)."""
+    Accelerator(cpu=True)  # AcceleratedOptimizer reads the accelerator's state
+    weight = torch.nn.Parameter(torch.ones(8))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, **impl)
+    scaler = torch.amp.GradScaler("cpu")
+    accelerated = AcceleratedOptimizer(optimizer, device_placement=False, scaler=scaler)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.full((8,), 1e3) @ weight  # a finite fp16 loss; its gradient × the scale 65536 is past fp16's range
+    scaler.scale(loss).backward()
+    before = schedule.get_last_lr()[0]
+    accelerated.step()
+    if not accelerated.step_was_skipped:  # transformers 5.23 Trainer._run_epoch
+        schedule.step()
+    return before, schedule.get_last_lr()[0], weight.detach()
+
+
+def test_fp16_overflow_leaves_the_schedule_where_it_was():
+    impl = step_implementation(on_gpu=True, grad_scaled=True)  # what a fp16 run on a GPU gets
+    before, after, weights = lr_around_an_overflow(impl)
+    assert after == before == 0.1
+    assert torch.equal(weights, torch.ones(8))
+    # Why fused is refused: GradScaler calls a fused step() even on an overflow, and the schedule advances.
+    before, after, weights = lr_around_an_overflow({"fused": True})
+    assert (before, after) == (0.1, 0.05) and torch.equal(weights, torch.ones(8))
+
+
+def test_fused_stays_where_no_scaler_decides():
+    assert step_implementation(on_gpu=True, grad_scaled=False) == {"fused": True}
+    assert step_implementation(on_gpu=False, grad_scaled=True) == {"foreach": True}
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_cuda  # a real fp16 run needs a GPU: accelerate gives a CPU no GradScaler
+def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, monkeypatch):
+    from finetune.recipe import load_config
+    from finetune.tools.train import train
+    from finetune.training.recipe_trainer import RecipeTrainer
+
+    compute_loss = RecipeTrainer.compute_loss
+
+    def overflowing(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return loss * 7e4 if self.state.global_step + 1 == 2 and loss.requires_grad else loss
+
+    monkeypatch.setattr(RecipeTrainer, "compute_loss", overflowing)
+    cfg = load_config(["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3",
+                       "train.precision=fp16", "schedule.name=linear",
+                       f"train.output_dir={tmp_path}", "log.wandb_mode=disabled"])
+    assert train(cfg) == 0
+    history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    lrs = [e["learning_rate"] for e in history if "grad_norm" in e]
+    assert lrs[1] == lrs[2]  # step 2 overflowed: step 3 runs at step 2's LR
