@@ -72,3 +72,44 @@ def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, m
     history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
     lrs = [e["learning_rate"] for e in history if "grad_norm" in e]
     assert lrs[1] == lrs[2]  # step 2 overflowed: step 3 runs at step 2's LR
+
+
+# ---- MFU's peak: the device variant and the precision the matmuls run in ----
+
+@pytest.mark.parametrize(("name", "precision", "tflops"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "bf16", 835.0),
+    ("NVIDIA H100 PCIe", "fp32", 51.0), ("NVIDIA GH200 480GB", "bf16", 989.0), ("NVIDIA H200 NVL", "fp16", 835.0),
+    ("Tesla V100-SXM2-16GB", "fp16", 125.0), ("Tesla V100-SXM2-16GB", "bf16", None), ("Tesla T4", "bf16", None),
+    ("NVIDIA L40S", "fp32", 91.6), ("Some Other GPU", "bf16", None),
+])
+def test_peak_flops_of_each_device_variant(name, precision, tflops):
+    from finetune.meter import device_peak_flops
+
+    assert device_peak_flops(precision, device_name=name) == (tflops * 1e12 if tflops else None)
+
+
+def test_compute_precision_follows_autocast_then_the_weights_dtype():
+    from finetune.meter import compute_precision
+
+    bf16_weights = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8).float()).to(torch.bfloat16)
+    bf16_weights[1].float()  # a norm kept in fp32 does not decide: most weights are bf16
+    assert compute_precision(False, False, bf16_weights) == "bf16"
+    assert compute_precision(False, False, torch.nn.Linear(8, 8).half()) == "fp16"
+    assert compute_precision(False, False, torch.nn.Linear(8, 8)) == "fp32"
+    assert compute_precision(False, True, torch.nn.Linear(8, 8)) == "fp16"
+    assert compute_precision(True, False, torch.nn.Linear(8, 8)) == "bf16"
+
+
+@pytest.mark.gpu
+@needs_cuda  # max_memory_allocated is CUDA's; a CPU's RSS high-water mark stays the process's
+def test_peak_memory_is_per_log_window_on_a_gpu():
+    from finetune.meter import WindowMeter
+
+    meter = WindowMeter()
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del big
+    meter.add([1, 1, 1, 1])
+    first = meter.drain()["peak_mem_mb"]
+    meter.add([1, 1, 1, 1])
+    second = meter.drain()["peak_mem_mb"]
+    assert first >= 256 and second < first - 200 and meter.peak_mem_mb == first
