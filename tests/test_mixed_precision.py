@@ -10,6 +10,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState
 
 from finetune.training.optim import step_implementation
 
@@ -19,6 +20,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def lr_around_an_overflow(impl: dict) -> tuple[float, float, torch.Tensor]:
     """One fp16 step whose gradient overflows, as transformers' loop runs it: the scaler steps accelerate's optimizer,
     and the schedule steps unless accelerate reports the step skipped. (LR before, LR after, the weights after)."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # as TrainingArguments does
     Accelerator(cpu=True)  # AcceleratedOptimizer reads the accelerator's state
     weight = torch.nn.Parameter(torch.ones(8))
     optimizer = torch.optim.AdamW([weight], lr=0.1, **impl)
@@ -113,3 +115,41 @@ def test_peak_memory_is_per_log_window_on_a_gpu():
     meter.add([1, 1, 1, 1])
     second = meter.drain()["peak_mem_mb"]
     assert first >= 256 and second < first - 200 and meter.peak_mem_mb == first
+
+
+# ---- verify's reference under mixed precision ----
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config)
+
+
+def test_verify_reference_runs_in_its_own_dtype_not_the_runs_autocast():
+    from finetune.tools.reference_check import reference_model
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # as TrainingArguments does: a new precision
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    model, plain = tiny_llama(), tiny_llama()
+    ids = torch.randint(0, 128, (1, 12))
+    expected = plain(input_ids=ids).logits  # float32, no autocast
+    prepared = accelerator.prepare_model(model)
+    wrapped = prepared(input_ids=ids).logits
+    assert not torch.allclose(wrapped, expected, atol=1e-4)  # the training forward ran in bf16
+    reference = reference_model(accelerator, prepared)
+    assert torch.equal(reference(input_ids=ids).logits, expected)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_cuda  # fp16 has a GradScaler only on a GPU (accelerate gives a CPU none)
+def test_verify_fp16_without_clipping_passes(capsys):
+    from finetune.tools import verify
+
+    code = verify.main(["recipe=recipes/debug.yaml", "train.precision=fp16", "train.max_grad_norm=0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verify: PASS" in out, out
