@@ -153,3 +153,66 @@ def test_verify_fp16_without_clipping_passes(capsys):
     code = verify.main(["recipe=recipes/debug.yaml", "train.precision=fp16", "train.max_grad_norm=0"])
     out = capsys.readouterr().out
     assert code == 0 and "verify: PASS" in out, out
+
+
+# ---- FSDP2 under bf16: the window's gradients accumulated and reduced in float32 ----
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_fsdp2_bf16_accumulates_and_reduces_gradients_in_float32(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.reference import relative_error
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "precision.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/workers/fsdp2_precision_worker.py", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    r = torch.load(out, weights_only=False)
+    assert r["default_reduce_dtype"] == r["param_dtype"] == "torch.bfloat16"  # accelerate's policy: the bug
+    assert r["fp32_reduce_dtype"] == "torch.float32"
+    # The micro-batches' bf16 gradients, summed over the window and the ranks: exact in float32, off in bf16
+    assert relative_error(r["fp32_reduce"], r["bf16_summed_in_float64"]) <= 1e-6
+    assert relative_error(r["default"], r["bf16_summed_in_float64"]) >= 1e-3
+    assert relative_error(r["fp32_reduce"], r["reference"]) < relative_error(r["default"], r["reference"])
+
+
+def test_full_state_dict_around_a_save_then_sharded_again():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from finetune.training.distributed import full_state_dict
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    config = plugin.state_dict_config
+    with full_state_dict(plugin):
+        assert plugin.state_dict_type.name == "FULL_STATE_DICT"  # what Trainer.save_model needs to write weights
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.state_dict_config is config
+
+
+@pytest.mark.subprocess
+@pytest.mark.gpu
+@needs_cuda  # accelerate's FSDP plugin (SHARDED_STATE_DICT checkpoints) needs a GPU; the switch itself is tested above
+def test_fsdp2_best_model_is_saved_whole_and_the_run_goes_on(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = [accelerate, "launch", "--config_file", "accelerate_configs/fsdp2.yaml", "--num_processes", "1",
+           "finetune/train.py", "recipe=recipes/debug.yaml", "data.limit=40", "data.max_length=64",
+           "eval.fraction=0.25", "eval.samples=0", "train.max_steps=3", "eval.every_steps=1",
+           "eval.best_checkpoint=true", "train.save_steps=2",
+           f"train.output_dir={tmp_path}"]
+    result = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "best" / "model.safetensors").is_file() and (tmp_path / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] >= 1

@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
-from finetune.training import checkpoints, evaluation
+from finetune.training import checkpoints, distributed, evaluation
 
 logger = logging.get_logger(__name__)
 # What each entry of a checkpoint's data position comes from, in recipe keys
@@ -70,6 +70,7 @@ class RecipeTrainer(TokenNormTrainer):
         self.eval_setup = eval_setup
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
+        distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy
         # StepProgress (finetune/training/reporting.py) prints one line per step instead of disable_tqdm's printer
         self.remove_callback(PrinterCallback)
 
