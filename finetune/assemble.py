@@ -68,14 +68,8 @@ def build(
     schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
 
-    # model
-    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
-    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
-    packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
-    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
-        reporting.main_print(use_for_packed_rows(model))
-
-    # trainer
+    # trainer arguments before the model: under ZeRO-3 they register DeepSpeed's config (zero3_init_flag), so the
+    # model is built partitioned (deepspeed.zero.Init) instead of whole in every rank's host memory
     args = TrainingArguments(
         output_dir=cfg.train.output_dir,
         per_device_train_batch_size=batches.per_device_batch_size,
@@ -104,6 +98,15 @@ def build(
         use_cpu=not reporting.has_accelerator(),
         **(evaluation.training_arguments(cfg) if held_out is not None else {}),
     )
+
+    # model (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying why)
+    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
+    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
+    packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
+    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
+        reporting.main_print(use_for_packed_rows(model))
+
+    # trainer
     if peak_flops is None and cfg.log.peak_tflops:
         peak_flops = cfg.log.peak_tflops * 1e12
     return trainer_cls(

@@ -216,3 +216,30 @@ def test_fsdp2_best_model_is_saved_whole_and_the_run_goes_on(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "best" / "model.safetensors").is_file() and (tmp_path / "model.safetensors").is_file()
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] >= 1
+
+
+# ---- ZeRO-3: the DeepSpeed config exists before the model is built ----
+
+def test_training_arguments_exist_before_the_model_is_loaded(monkeypatch, tmp_path):
+    """transformers registers ZeRO-3's config (zero3_init_flag → deepspeed.zero.Init at from_pretrained) when
+    TrainingArguments is built: the model must be loaded after it (deepspeed is not needed to check the order)."""
+    import transformers
+
+    from finetune import assemble
+    from finetune.recipe import load_config
+
+    events = []
+    post_init, load_model = transformers.TrainingArguments.__post_init__, assemble.loading.load_model
+
+    def recording_post_init(self):
+        events.append("TrainingArguments")
+        post_init(self)
+
+    def recording_load(*args, **kwargs):
+        events.append("load_model")
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.TrainingArguments, "__post_init__", recording_post_init)
+    monkeypatch.setattr(assemble.loading, "load_model", recording_load)
+    assemble.build(load_config(["recipe=recipes/debug.yaml", "data.limit=16", f"train.output_dir={tmp_path}"]))
+    assert events == ["TrainingArguments", "load_model"]
