@@ -243,3 +243,65 @@ def test_training_arguments_exist_before_the_model_is_loaded(monkeypatch, tmp_pa
     monkeypatch.setattr(assemble.loading, "load_model", recording_load)
     assemble.build(load_config(["recipe=recipes/debug.yaml", "data.limit=16", f"train.output_dir={tmp_path}"]))
     assert events == ["TrainingArguments", "load_model"]
+
+
+# ---- DeepSpeed: the verdict is taken before the last backward (engine.step() runs inside it) ----
+
+class DecidesBeforeBackward:
+    """The recipe trainer taking its verdict where it does under DeepSpeed, with a NaN loss in step 2's last
+    micro-batch; without DeepSpeed the update still waits for the Trainer's optimizer step, so the test sees whether
+    that early verdict vetoes the right step (step 2) and no other."""
+
+    def decides_before_backward(self) -> bool:
+        return True
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.state.global_step + 1 == 2 and model.training and self.accelerator.sync_gradients:
+            original = model.forward
+
+            def nan_forward(*args, **kwargs):
+                output = original(*args, **kwargs)
+                output.logits = output.logits * float("nan")
+                return output
+
+            model.forward = nan_forward
+            try:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                model.forward = original
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def deepspeed_like_run(tmp_path, on_nonfinite: str):
+    from finetune.assemble import build
+    from finetune.recipe import load_config
+    from finetune.training.recipe_trainer import RecipeTrainer
+
+    cfg = load_config(["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3",
+                       "train.save_steps=1", f"train.output_dir={tmp_path}", f"train.on_nonfinite={on_nonfinite}"])
+    return build(cfg, trainer_cls=type("Trainer", (DecidesBeforeBackward, RecipeTrainer), {}))
+
+
+@pytest.mark.e2e
+def test_verdict_before_the_last_backward_vetoes_that_step_and_not_the_next(tmp_path):
+    from safetensors.torch import load_file
+
+    trainer = deepspeed_like_run(tmp_path, "skip")
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert [e["nonfinite_skipped"] for e in logs] == [0, 1, 1]
+    after_1, after_2, after_3 = (load_file(tmp_path / f"checkpoint-{k}" / "model.safetensors") for k in (1, 2, 3))
+    assert all(torch.equal(after_1[n], after_2[n]) for n in after_1)  # step 2: no update
+    assert not all(torch.equal(after_2[n], after_3[n]) for n in after_2)  # step 3: not vetoed by step 2's verdict
+
+
+@pytest.mark.e2e
+def test_stop_before_the_last_backward(tmp_path):
+    from finetune.training.recipe_trainer import NonFiniteError
+
+    trainer = deepspeed_like_run(tmp_path, "stop")
+    with pytest.raises(NonFiniteError, match="optimizer step 2: the loss is not finite"):
+        trainer.train()
+    assert not (tmp_path / "checkpoint-2").exists()
+    # Stopped before the NaN loss's backward (under DeepSpeed: before engine.step), not after it
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in trainer.model.parameters())
