@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from finetune.data import batching, heldout
@@ -20,6 +21,7 @@ from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps
+from finetune.recipe.checks import precision_on_device, precision_warning
 from finetune.training import distributed, evaluation, reporting, schedules
 from finetune.training.recipe_trainer import RecipeTrainer
 
@@ -38,9 +40,12 @@ def build(
     `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `evaluate=False`:
     no evaluation (the held-out rows stay out of training all the same)."""
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe
-    if cfg.train.precision == "fp16" and not reporting.has_accelerator():
-        # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead
-        raise RecipeError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32")
+    gpu = torch.cuda.get_device_name() if reporting.has_accelerator() else None
+    problem = precision_on_device(cfg, gpu, gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False))
+    if problem:
+        raise RecipeError(problem)
+    if precision_warning(cfg):
+        reporting.main_print(f"warning: {precision_warning(cfg)}")
     ranks = world_size()
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)

@@ -305,3 +305,50 @@ def test_stop_before_the_last_backward(tmp_path):
     assert not (tmp_path / "checkpoint-2").exists()
     # Stopped before the NaN loss's backward (under DeepSpeed: before engine.step), not after it
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in trainer.model.parameters())
+
+
+# ---- bad input: a precision the model or the device cannot run ----
+
+def recipe(*keys):
+    from finetune.recipe import load_config
+
+    return load_config(["recipe=recipes/debug.yaml", *keys])
+
+
+def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
+    from finetune.recipe import RecipeError
+
+    with pytest.raises(RecipeError) as e:
+        recipe("train.precision=fp16", "model.dtype=bfloat16")
+    assert str(e.value) == ("train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
+                            "(or use train.precision=bf16)")
+
+
+@pytest.mark.parametrize(("keys", "gpu", "bf16", "expected"), [
+    (["train.precision=fp16"], None, False, "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or "
+                                            "fp32"),
+    (["train.precision=bf16"], "Tesla V100-SXM2-16GB", False,
+     "train.precision=bf16 needs bf16, which this GPU (Tesla V100-SXM2-16GB) does not have (Ampere or newer does); "
+     "use train.precision=fp16 with model.dtype=float32, or fp32"),
+    (["train.precision=bf16", "model.dtype=bfloat16"], "Tesla T4", False,
+     "train.precision=bf16 and model.dtype=bfloat16 needs bf16, which this GPU (Tesla T4) does not have (Ampere or "
+     "newer does); use train.precision=fp16 with model.dtype=float32, or fp32"),
+    (["train.precision=bf16"], "NVIDIA H100 80GB HBM3", True, None),
+    (["train.precision=bf16"], None, False, None),  # CPU autocast runs bf16
+    (["train.precision=fp16"], "Tesla T4", False, None),
+])
+def test_precision_the_device_cannot_run(keys, gpu, bf16, expected):
+    from finetune.recipe.checks import precision_on_device
+
+    assert precision_on_device(recipe(*keys), gpu, bf16) == expected
+
+
+def test_bf16_weights_without_a_float32_copy_are_a_warning_not_an_error(tmp_path, capsys):
+    from finetune.assemble import build
+
+    build(recipe("model.dtype=bfloat16", "data.limit=16", f"train.output_dir={tmp_path}"))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: model.dtype")]
+    assert warnings == ["warning: model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller "
+                        "than 1/256 of a weight are rounded away; for exact small-lr updates use model.dtype=float32 "
+                        "with train.precision=bf16"]
+    assert recipe().model.dtype == "float32"  # the default keeps float32 weights: no warning
