@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from finetune.data import batching, heldout
@@ -20,6 +21,7 @@ from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps
+from finetune.recipe.checks import precision_on_device, precision_warning
 from finetune.training import distributed, evaluation, reporting, schedules
 from finetune.training.recipe_trainer import RecipeTrainer
 
@@ -38,9 +40,12 @@ def build(
     `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `evaluate=False`:
     no evaluation (the held-out rows stay out of training all the same)."""
     distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe
-    if cfg.train.precision == "fp16" and not reporting.has_accelerator():
-        # Accelerate runs fp16 on a CPU as plain fp32 (no autocast, no GradScaler): say so instead
-        raise RecipeError("train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32")
+    gpu = torch.cuda.get_device_name() if reporting.has_accelerator() else None
+    problem = precision_on_device(cfg, gpu, gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False))
+    if problem:
+        raise RecipeError(problem)
+    if precision_warning(cfg):
+        reporting.main_print(f"warning: {precision_warning(cfg)}")
     ranks = world_size()
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
@@ -68,14 +73,8 @@ def build(
     schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
 
-    # model
-    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
-    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
-    packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
-    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
-        reporting.main_print(use_for_packed_rows(model))
-
-    # trainer
+    # trainer arguments before the model: under ZeRO-3 they register DeepSpeed's config (zero3_init_flag), so the
+    # model is built partitioned (deepspeed.zero.Init) instead of whole in every rank's host memory
     args = TrainingArguments(
         output_dir=cfg.train.output_dir,
         per_device_train_batch_size=batches.per_device_batch_size,
@@ -104,6 +103,15 @@ def build(
         use_cpu=not reporting.has_accelerator(),
         **(evaluation.training_arguments(cfg) if held_out is not None else {}),
     )
+
+    # model (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying why)
+    set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
+    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
+    packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
+    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
+        reporting.main_print(use_for_packed_rows(model))
+
+    # trainer
     if peak_flops is None and cfg.log.peak_tflops:
         peak_flops = cfg.log.peak_tflops * 1e12
     return trainer_cls(

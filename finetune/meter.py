@@ -22,13 +22,19 @@ COUNTS = ("label_tokens", "real_tokens", "computed_tokens", "sequences")
 # but not `trainer_state.json`'s log_history, which a resumed run must reproduce exactly.
 TIMING_KEYS = ("real_tokens_per_s", "computed_tokens_per_s", "samples_per_s", "peak_mem_mb", "mfu")
 
-# Dense peak TFLOP/s per GPU (bf16/fp16 tensor cores, fp32 without TF32), by a substring of the device name.
+# Dense peak TFLOP/s per GPU as (bf16, fp16, fp32 without TF32), by a substring of the device name (the longest
+# that matches: "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are not the SXM part "NVIDIA H100 80GB HBM3"). None: the GPU
+# has no such tensor cores (V100 and T4 have no bf16).
 PEAK_TFLOPS = {
-    "H200": (989.0, 67.0), "H100": (989.0, 67.0), "GH200": (989.0, 67.0), "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6), "L40": (181.0, 90.5), "L4": (121.0, 30.3), "A10G": (70.0, 31.2), "A10": (125.0, 31.2),
-    "RTX 4090": (165.0, 82.6), "RTX 3090": (71.0, 35.6), "V100": (125.0, 15.7), "T4": (65.0, 8.1),
-    "B200": (2250.0, 80.0),
+    "H100": (989.0, 989.0, 67.0), "H100 PCIe": (756.0, 756.0, 51.0), "H100 NVL": (835.0, 835.0, 60.0),
+    "H200": (989.0, 989.0, 67.0), "H200 NVL": (835.0, 835.0, 60.0), "GH200": (989.0, 989.0, 67.0),
+    "A100": (312.0, 312.0, 19.5), "L40S": (362.0, 362.0, 91.6), "L40": (181.0, 181.0, 90.5),
+    "L4": (121.0, 121.0, 30.3), "A10G": (70.0, 70.0, 31.2), "A10": (125.0, 125.0, 31.2),
+    "RTX 4090": (165.0, 165.0, 82.6), "RTX 3090": (71.0, 71.0, 35.6), "V100": (None, 125.0, 15.7),
+    "T4": (None, 65.0, 8.1), "B200": (2250.0, 2250.0, 80.0),
 }
+PRECISIONS = ("bf16", "fp16", "fp32")
+HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def batch_counts(batch: Mapping, kind: str = CAUSAL_LM) -> list[int]:
@@ -60,10 +66,15 @@ def window_counts(batches: list[Mapping], kind: str = CAUSAL_LM) -> list[int]:
     return totals
 
 
-def peak_memory_mb() -> float:
-    """Peak memory of this process: CUDA allocations on a GPU, else the resident set size (RSS) high-water mark."""
+def peak_memory_mb(reset: bool = False) -> float:
+    """Peak memory of this process: CUDA allocations since the last reset (`reset`: the next call counts from now),
+    else the resident set size's high-water mark since the process started (never reset here: scripts measure their
+    own windows of it through /proc/self/clear_refs)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**20
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
@@ -88,16 +99,31 @@ def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_param
     return 6.0 * matmul_params + 12.0 * layers * hidden * sequence_length
 
 
-def device_peak_flops(precision: str, override_tflops: float | None = None) -> float | None:
-    """The device's dense peak FLOP/s for the precision, from `override_tflops` or the table; None if unknown."""
+def compute_precision(bf16: bool, fp16: bool, model: torch.nn.Module) -> str:
+    """The precision the matmuls run in: the autocast one if any, else the dtype that most weights are stored in
+    (model.dtype=bfloat16 without autocast multiplies in bf16)."""
+    if bf16 or fp16:
+        return "bf16" if bf16 else "fp16"
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return HALF_DTYPES.get(max(sizes, key=sizes.get), "fp32") if sizes else "fp32"
+
+
+def device_peak_flops(precision: str, override_tflops: float | None = None,
+                      device_name: str | None = None) -> float | None:
+    """The device's dense peak FLOP/s for the precision (bf16, fp16 or fp32), from `override_tflops` or the table of
+    `device_name` (default: this process's CUDA device); None if unknown."""
     if override_tflops:
         return override_tflops * 1e12
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_TFLOPS[key][0 if precision in ("bf16", "fp16") else 1] * 1e12
+        if key in device_name:
+            peak = PEAK_TFLOPS[key][PRECISIONS.index(precision)]
+            return peak * 1e12 if peak else None
     return None
 
 
@@ -131,7 +157,7 @@ class WindowMeter:
                 "samples_per_s": sequences / elapsed,
                 "padding_efficiency": real / computed if computed else 1.0,
                 "mean_sequence_tokens": real / sequences if sequences else 0.0,
-                "peak_mem_mb": peak_memory_mb(),
+                "peak_mem_mb": peak_memory_mb(reset=True),  # this log window's peak on a GPU
             }
             self.peak_mem_mb = max(self.peak_mem_mb, logs["peak_mem_mb"])
         self.windows, self.totals, self.since = 0, [0] * len(COUNTS), now

@@ -56,6 +56,7 @@ from finetune.loss import (
 from finetune.meter import (
     TIMING_KEYS,
     WindowMeter,
+    compute_precision,
     device_peak_flops,
     flops_per_token,
     matmul_parameters,
@@ -112,7 +113,7 @@ class TokenNormTrainer(Trainer):
         self._gated_optimizer = None
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
-        self.peak_flops = peak_flops or device_peak_flops("bf16" if self.args.bf16 or self.args.fp16 else "fp32")
+        self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
         self._matmul_params: int | None = None
 
     @property

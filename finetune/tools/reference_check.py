@@ -95,11 +95,10 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             if all(p.grad is None for _, p in trainable):
                 raise RecipeError("no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
                                   "its engine); run finetune.verify with DDP or one process")
-            # fp16 without clipping: the GradScaler has not unscaled yet (clipping unscales first).
-            scaler = getattr(trainer.accelerator, "scaler", None)
-            unscale = scaler.get_scale() if scaler is not None and args.max_grad_norm <= 0 else 1.0
+            # Under fp16 the gradients are unscaled already: the Trainer's _get_grad_norm runs before this hook and
+            # unscales through accelerate's clip_grad_norm_ even without clipping (max_grad_norm=0 clips at inf).
             keep = lambda t: t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)  # noqa
-            grads = {n: keep(_full(p.grad)) / unscale if p.grad is not None else None for n, p in trainable}
+            grads = {n: keep(_full(p.grad)) if p.grad is not None else None for n, p in trainable}
             rows = recorder.windows[len(recorder.captures)]
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 gathered = [None] * dist.get_world_size()
@@ -142,6 +141,12 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard → the whole tensor
 
 
+def reference_model(accelerator, model):
+    """The trained model without accelerate's mixed-precision forward: that wrapper autocasts, so a float32 reference
+    would silently run in bf16/fp16 (float64 is never autocast, float32 is)."""
+    return accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+
+
 def reference_placement(model, trainable: int):
     """(dtype, device) for the reference: float64 where it fits, else float32; the training device before the CPU."""
     import psutil
@@ -152,6 +157,7 @@ def reference_placement(model, trainable: int):
     device = next(model.parameters()).device
     room = {torch.device("cpu"): psutil.virtual_memory().available + (held if device.type == "cpu" else 0)}
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the trainer's freed optimizer state and activations still sit in torch's cache
         room = {device: torch.cuda.mem_get_info(device)[0] + held, **room}
     for where, free in room.items():
         for dtype in (torch.float64, torch.float32):

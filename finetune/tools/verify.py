@@ -46,6 +46,7 @@ from finetune.tools.reference_check import (
     micro_batch_weights,
     recording_trainer,
     reference_gradient,
+    reference_model,
     reference_placement,
     silence_dropout,
 )
@@ -108,7 +109,7 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
         return []
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
-    model, max_norm = trainer.model, trainer.args.max_grad_norm
+    model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
     trainer.optimizer = trainer.lr_scheduler = trainer.model_wrapped = None
     trainer.accelerator.free_memory()
     gc.collect()

@@ -13,6 +13,7 @@ them from TrainingArguments (HfTrainerDeepSpeedConfig.trainer_config_process).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -194,6 +195,42 @@ def consolidate_final_save() -> None:
     plugin = _fsdp_plugin()
     if plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
         plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
+@contextlib.contextmanager
+def full_state_dict(plugin=None):
+    """Trainer.save_model inside writes a whole safetensors model under FSDP too (gathered on rank 0), as the final
+    save does; checkpoints after it stay sharded. `plugin`: accelerate's FSDP plugin (default: the running one)."""
+    plugin = plugin if plugin is not None else _fsdp_plugin()
+    if plugin is None or "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+        yield
+        return
+    saved = plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config
+    plugin.set_state_dict_type("FULL_STATE_DICT")
+    try:
+        yield
+    finally:
+        plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config = saved
+
+
+def reduce_in_fp32(plugin=None) -> None:
+    """FSDP2 under bf16/fp16: gradients accumulated over the window and reduced over the ranks in float32.
+
+    accelerate's default policy (param_dtype = reduce_dtype = the 16-bit type) holds the unsharded gradient of an
+    accumulation window in bf16 and reduce-scatters it in bf16: less exact than DDP, whose fp32 parameters get fp32
+    gradients. With reduce_dtype=float32, FSDP2 accumulates unsynced gradients in float32 and reduces in float32 (twice
+    the gradient communication of bf16). `plugin`: accelerate's FSDP plugin (default: the running one)."""
+    plugin = plugin if plugin is not None else _fsdp_plugin()
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if getattr(plugin, "fsdp_version", 1) != 2 or policy is None or policy.param_dtype is None:
+        return
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if policy.param_dtype in (torch.bfloat16, torch.float16) and policy.reduce_dtype != torch.float32:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs)
 
 
 def callbacks() -> list:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
 from finetune.recipe import Config, evaluates
+from finetune.training import distributed
 from finetune.training.checkpoints import commit, staging_root, write_error, write_failure
 
 BEST = "best"  # train.output_dir/best: the model of the lowest eval loss (eval.best_checkpoint)
@@ -77,7 +78,8 @@ def save_best(trainer) -> None:
         shutil.rmtree(staged, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     try:
-        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
+            trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
         if trainer.args.should_save:
             with open(os.path.join(staged, BEST_FILE), "w") as f:
                 json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)

@@ -188,14 +188,21 @@ class LARS(_LayerwiseOptimizer):
         torch._foreach_sub_(params, buffers)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
-    """The recipe's optimizer over `param_groups`; every group starts at its peak LR."""
+def step_implementation(on_gpu: bool, grad_scaled: bool) -> dict:
+    """torch's fastest implementation for the device: fused on a GPU, foreach elsewhere; never fused under a GradScaler
+    (fp16). GradScaler always calls a fused optimizer's step() (the kernel skips an overflow step itself), so
+    accelerate would never report the skip and the LR schedule would advance on overflow steps; a foreach step is not
+    called at all on an overflow, which accelerate sees."""
+    return {"fused": True} if on_gpu and not grad_scaled else {"foreach": True}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, grad_scaled: bool = False) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `param_groups`; every group starts at its peak LR. `grad_scaled`: the gradients
+    go through a GradScaler (fp16), see `step_implementation`."""
     groups = param_groups(model, cfg, lr)
     for group in groups:
         group.pop("names")
-    on_gpu = any(p.is_cuda for g in groups for p in g["params"])
-    # fused on CUDA, foreach elsewhere: the fastest torch implementation for the device
-    impl = {"fused": True} if on_gpu else {"foreach": True}
+    impl = step_implementation(any(p.is_cuda for g in groups for p in g["params"]), grad_scaled)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
     if cfg.name == "sgd":

@@ -13,12 +13,13 @@ import os
 import time
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import PrinterCallback
 from transformers.utils import logging
 
 from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
-from finetune.training import checkpoints, evaluation
+from finetune.training import checkpoints, distributed, evaluation
 
 logger = logging.get_logger(__name__)
 # What each entry of a checkpoint's data position comes from, in recipe keys
@@ -70,6 +71,7 @@ class RecipeTrainer(TokenNormTrainer):
         self.eval_setup = eval_setup
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
+        distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy
         # StepProgress (finetune/training/reporting.py) prints one line per step instead of disable_tqdm's printer
         self.remove_callback(PrinterCallback)
 
@@ -164,17 +166,45 @@ class RecipeTrainer(TokenNormTrainer):
         self._window_finite = torch.isfinite(loss).all() & self._window_finite  # no host sync per micro-batch
         return loss
 
+    def decides_before_backward(self) -> bool:
+        """Whether the step's verdict is taken before the window's last backward: under DeepSpeed, whose engine.step()
+        runs inside that backward (accelerate's DeepSpeedEngineWrapper), before the Trainer's grad-norm hook."""
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.decides_before_backward() and model.training and torch.is_grad_enabled() and \
+                self.accelerator.sync_gradients:  # the window's last micro-batch, before its backward
+            loss = result[0] if return_outputs else result
+            stop = self.stop_request is not None and self.stop_request.requested
+            flags = torch.tensor([not bool(torch.isfinite(loss).all() & self._window_finite), stop], dtype=torch.int32)
+            if self.accelerator.num_processes > 1:
+                flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
+            bad_loss, stop = (bool(f) for f in flags.tolist())
+            self._judge(False, bad_loss, stop, "not known before the step")
+        return result
+
     def _get_grad_norm(self, model, grad_norm=None):
         # The Trainer calls this once per optimizer step, after clipping and right before the update; the norm is the
         # global one (unscaled under fp16), so ranks agree on it. The loss flag is per rank: it joins one all-reduce.
         grad_norm = super()._get_grad_norm(model, grad_norm)
         norm = float(grad_norm) if grad_norm is not None else 0.0
+        if self.decides_before_backward():  # the loss and stop request were judged before the last backward
+            self._window_finite = True  # the next step's verdict is taken anew before its own backward
+            if not math.isfinite(norm) and not self._nonfinite_veto:  # a finite loss with non-finite gradients: fp16
+                self._judge(True, False, False, norm)  # DeepSpeed's loss scaler skipped it; bf16 DeepSpeed applied it
+            return grad_norm
         stop = self.stop_request is not None and self.stop_request.requested
         flags = torch.tensor([not math.isfinite(norm), not bool(self._window_finite), stop], dtype=torch.int32)
         self._window_finite = True
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
         bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
+        self._judge(bad_grads, bad_loss, stop, norm)
+        return grad_norm
+
+    def _judge(self, bad_grads: bool, bad_loss: bool, stop: bool, norm) -> None:
+        """This step's verdict from flags all ranks agree on: veto the update, count a skip, or stop."""
         if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
             self.control.should_save = self.control.should_training_stop = True
         self._nonfinite_veto, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
@@ -189,7 +219,6 @@ class RecipeTrainer(TokenNormTrainer):
                 )
             self.nonfinite_skipped += 1
             logger.warning(f"optimizer step {step}: {what}; no update ({self.nonfinite_skipped} skipped so far)")
-        return grad_norm
 
     def updates_weights(self) -> bool:
         return super().updates_weights() and not self._nonfinite_veto
@@ -234,7 +263,8 @@ class RecipeTrainer(TokenNormTrainer):
 
         if self.optimizer is None:
             target = model if model is not None else self.model
-            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr)
+            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr,
+                                             grad_scaled=self.accelerator.scaler is not None)
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
