@@ -88,6 +88,9 @@ def build(
         fp16=cfg.train.precision == "fp16",
         seed=cfg.train.seed,
         logging_steps=cfg.log.every_steps,
+        # RecipeTrainer judges every window's loss without a host sync (train.on_nonfinite); Trainer's filter would
+        # read the loss back after every backward, draining the GPU's queue once per micro-batch
+        logging_nan_inf_filter=False,
         report_to=[],  # W&B through reporting.RecipeWandbCallback (the recipe as run config)
         disable_tqdm=True,  # reporting.StepProgress draws the bar and one line per step
         run_name=reporting.run_name(cfg),
