@@ -207,7 +207,9 @@ class TokenNormTrainer(Trainer):
         elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
             row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
             rows = torch.stack([row_sums, row_counts.double(), torch.ones_like(row_sums)], dim=1)
-            self._add_eval(self.gather_function(rows))
+            # gather_for_metrics drops the rows repeated to fill the last batches, even where a subclass gathers
+            # predictions with plain gather (Seq2SeqTrainer keeps them)
+            self._add_eval(self.accelerator.gather_for_metrics(rows))
             loss_sum, count = row_sums.sum(), row_counts.sum()
         elif kept:
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
