@@ -13,11 +13,12 @@ from transformers.loss.loss_utils import (
     LOSS_MAPPING,
     ForCausalLMLoss,
     ForMaskedLMLoss,
+    ForSequenceClassificationLoss,
     ForTokenClassification,
 )
 from transformers.trainer_utils import unwrap_peft_model
 
-from finetune.loss import CAUSAL_LM, SEQ2SEQ, TOKEN
+from finetune.loss import CAUSAL_LM, SAMPLE, SEQ2SEQ, TOKEN
 
 
 def _registered_loss_types() -> dict[str, str]:
@@ -58,14 +59,39 @@ def loss_type_of(model: torch.nn.Module) -> str | None:
 
 
 def loss_kind(model: torch.nn.Module) -> str | None:
-    """CAUSAL_LM, TOKEN or SEQ2SEQ from the model's loss type (transformers' LOSS_MAPPING); None: not token-level."""
+    """CAUSAL_LM, TOKEN, SEQ2SEQ or SAMPLE (sequence/image/audio classification, regression, multiple choice) from
+    the model's loss type (transformers' LOSS_MAPPING); None: a loss this trainer leaves to Trainer."""
     model = unwrap_peft_model(model)
+    if _is_multiple_choice(model):
+        return SAMPLE
     loss = LOSS_MAPPING.get(loss_type_of(model))
     if loss is ForCausalLMLoss:  # encoder-decoders feed right-shifted decoder inputs: their labels are unshifted
         return SEQ2SEQ if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else CAUSAL_LM
     if loss in (ForMaskedLMLoss, ForTokenClassification):
         return TOKEN
+    if loss is ForSequenceClassificationLoss:
+        return SAMPLE
     return None
+
+
+def _is_multiple_choice(model: torch.nn.Module) -> bool:
+    # transformers has no loss type for multiple choice: its heads compute a cross-entropy over the choices' scores
+    return any(cls.__name__.endswith("ForMultipleChoice") for cls in type(model).__mro__)
+
+
+def problem_type_of(model: torch.nn.Module, labels: torch.Tensor) -> str:
+    """The sample-level loss a model computes, decided as `ForSequenceClassificationLoss` decides it (without setting
+    it on the config): the config's `problem_type`, else regression for one label, single-label classification for
+    integer labels, multi-label otherwise; multiple choice is single-label over the choices."""
+    model = unwrap_peft_model(model)
+    if _is_multiple_choice(model):
+        return "single_label_classification"
+    config = getattr(model, "config", None)
+    if getattr(config, "problem_type", None):
+        return config.problem_type
+    if getattr(config, "num_labels", 2) == 1:
+        return "regression"
+    return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
 
 
 def logits_of(outputs: Any) -> torch.Tensor | None:

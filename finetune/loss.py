@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from finetune.labels import IGNORE_INDEX
 
-CAUSAL_LM, TOKEN, SEQ2SEQ = "causal_lm", "token", "seq2seq"
-LOSS_KINDS = (CAUSAL_LM, TOKEN, SEQ2SEQ)
+CAUSAL_LM, TOKEN, SEQ2SEQ, SAMPLE = "causal_lm", "token", "seq2seq", "sample"
+LOSS_KINDS = (CAUSAL_LM, TOKEN, SEQ2SEQ, SAMPLE)
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def targets_of(batch, kind: str) -> torch.Tensor:
     if kind == CAUSAL_LM:
         shifted = batch.get("shift_labels") if hasattr(batch, "get") else None
         return shifted if isinstance(shifted, torch.Tensor) else next_token_targets(batch["labels"])
-    if kind in (TOKEN, SEQ2SEQ):
+    if kind in (TOKEN, SEQ2SEQ, SAMPLE):
         return batch["labels"]
     raise ValueError(f"unknown loss kind {kind!r}; expected one of {', '.join(LOSS_KINDS)}")
 
@@ -104,6 +104,31 @@ def _check_kept(count: int, targets: torch.Tensor, what: str, shape) -> None:
     # Checked where it costs nothing (host targets, a tensor's rank); on a GPU the count is the model's own.
     if count < 0 or (targets.device.type == "cpu" and int((targets != IGNORE_INDEX).sum()) != count):
         raise ValueError(f"{what} {tuple(shape)} do not match {int((targets != IGNORE_INDEX).sum())} targets")
+
+
+def sample_loss_sums(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str, label_smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per item of a batch of sample-level predictions (sequence classification, regression, multiple choice): (its
+    loss summed over its values, float64-ready; how many values it has), both [B]. Summed over a window and divided by
+    the window's count this is transformers' per-batch mean (`ForSequenceClassificationLoss`) made exact for windows
+    of any size: regression and multi-label losses average over every value, single-label ones over items whose label
+    is not -100."""
+    accumulate = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    rows = labels.shape[0]
+    logits = logits.to(accumulate).reshape(rows, -1)
+    if problem_type == "single_label_classification":
+        labels = labels.reshape(rows).to(logits.device)
+        per_item = F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
+        return per_item, (labels != IGNORE_INDEX).long()
+    values = labels.reshape(rows, -1).to(logits.device, accumulate)
+    if problem_type == "regression":
+        per_value = (logits - values).pow(2)
+    elif problem_type == "multi_label_classification":
+        per_value = F.binary_cross_entropy_with_logits(logits, values, reduction="none")
+    else:
+        raise ValueError(f"unknown problem type {problem_type!r}")
+    return per_value.sum(1), torch.full((rows,), per_value.shape[1], dtype=torch.long, device=logits.device)
 
 
 def kept_targets(targets: torch.Tensor, count: int) -> torch.Tensor:

@@ -42,15 +42,18 @@ from finetune.heads import (
     loss_kind,
     loss_type_of,
     plain_head,
+    problem_type_of,
     returned_unchanged,
 )
 from finetune.loss import (
     IGNORE_INDEX,
+    SAMPLE,
     SEQ2SEQ,
     cross_entropy_sum,
     head_cross_entropy_sum,
     kept_cross_entropy_sum,
     row_cross_entropy_sums,
+    sample_loss_sums,
     targets_of,
 )
 from finetune.meter import (
@@ -84,8 +87,9 @@ class TokenNormTrainer(Trainer):
         if self.loss_kind is None:
             logger.warning(
                 f"TokenNormTrainer: {type(unwrap_peft_model(unwrapped)).__name__} has loss type "
-                f"{loss_type_of(unwrap_peft_model(unwrapped))!r}, not a token-level loss (causal LM, "
-                "masked LM / token classification, sequence-to-sequence); it is trained and evaluated by "
+                f"{loss_type_of(unwrap_peft_model(unwrapped))!r}, not a loss this trainer computes (causal LM, "
+                "masked LM / token classification, sequence-to-sequence, sequence classification / regression / "
+                "multiple choice); it is trained and evaluated by "
                 "transformers.Trainer's own loss, unchanged. Set model.loss_type = 'ForCausalLM' (or 'ForMaskedLM') "
                 "if its logits are those of a language model."
             )
@@ -204,13 +208,11 @@ class TokenNormTrainer(Trainer):
             head = self._chunked_head
             loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing,
                                                      self._head_dtype)
+        elif self.loss_kind == SAMPLE and logits is not None and logits.shape[0] == targets.shape[0]:
+            problem = problem_type_of(self.accelerator.unwrap_model(model), targets)
+            loss_sum, count = self._summed_rows(*sample_loss_sums(logits, targets, problem, smoothing), evaluating)
         elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
-            row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
-            rows = torch.stack([row_sums, row_counts.double(), torch.ones_like(row_sums)], dim=1)
-            # gather_for_metrics drops the rows repeated to fill the last batches, even where a subclass gathers
-            # predictions with plain gather (Seq2SeqTrainer keeps them)
-            self._add_eval(self.accelerator.gather_for_metrics(rows))
-            loss_sum, count = row_sums.sum(), row_counts.sum()
+            loss_sum, count = self._summed_rows(*row_cross_entropy_sums(logits, targets, smoothing), evaluating)
         elif kept:
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
         elif logits is not None and logits.shape[:-1] == targets.shape:
@@ -234,6 +236,16 @@ class TokenNormTrainer(Trainer):
                 window_label_tokens = max(int(window_label_tokens), 1)
             loss = loss_sum / window_label_tokens * self._data_parallel_size()
         return (loss, outputs) if return_outputs else loss
+
+    def _summed_rows(self, row_sums: torch.Tensor, row_counts: torch.Tensor, evaluating: bool):
+        """(loss sum, count) of a batch from per-row figures; an evaluation also adds the rows to the whole set's
+        sums. gather_for_metrics drops the rows repeated to fill the last batches, even where a subclass gathers
+        predictions with plain gather (Seq2SeqTrainer keeps them)."""
+        if evaluating:
+            rows = torch.stack([row_sums.double(), row_counts.double(), torch.ones_like(row_sums, dtype=torch.float64)],
+                               dim=1)
+            self._add_eval(self.accelerator.gather_for_metrics(rows))
+        return row_sums.sum(), row_counts.sum()
 
     def _forward_inputs(self, model, inputs: Mapping) -> dict:
         """The model's inputs: labels only where the forward requires them; a seq2seq model gets its decoder inputs
