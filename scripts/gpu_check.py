@@ -13,7 +13,9 @@ Steps, each a command run in its own process (its output in DIR/logs/STEP.log), 
 
 DIR/report.json and DIR/report.md hold the device, the versions, and per step its command, status (passed, failed,
 skipped with the reason), wall time and figures. A failed step does not stop the others; the exit status is 1 when
-any step failed, after the report is written.
+any step failed, after the report is written. Where one command may run only so long (10 minutes on a lent machine),
+split it with `--only`: each command adds its steps to DIR's report, e.g. `--only gpu_tier,verify_fp32,verify_bf16,
+verify_fp16,loss_head,host_syncs` then `--only benchmark_0.5b,benchmark_smollm2-135m` with the same --out.
 """
 
 from __future__ import annotations
@@ -170,14 +172,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for report.md, report.json, the logs and step outputs")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU: the same steps in a few minutes")
-    parser.add_argument("--only", help="comma-separated step names (default: all)")
+    parser.add_argument("--only", help="comma-separated step names (default: all); the steps of an earlier report in "
+                                       "--out that are not run again stay in it (split a run over several commands)")
     args = parser.parse_args(argv)
+    import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
     from gpu_report import write_report  # beside this script
 
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = environment()
-    cuda = env["cuda"] is not None
+    cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         print("[gpu_check] no CUDA device: the full-size steps need one; --smoke runs them at toy size on a CPU",
               file=sys.stderr)
@@ -190,15 +193,26 @@ def main(argv: list[str]) -> int:
             parser.error(f"unknown step(s) {', '.join(sorted(unknown))}; choose from "
                          f"{', '.join(s.name for s in steps)}")
         steps = [s for s in steps if s.name in wanted]
+    order = [s.name for s in steps_for(out, args.smoke, cuda)]
     started = time.perf_counter()
     for step in steps:
         run_step(step, out / "logs", cuda)
-    report = {"environment": env, "smoke": args.smoke, "command": shown([PY, "scripts/gpu_check.py", *argv]),
-              "wall_s": round(time.perf_counter() - started, 1), "steps": [s.result for s in steps]}
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    results = {s.name: s.result for s in steps}
+    command = shown([PY, "scripts/gpu_check.py", *argv])
+    earlier = out / "report.json"
+    commands = [command]
+    if args.only and earlier.exists():  # keep the steps an earlier command of this report ran
+        previous = json.loads(earlier.read_text())
+        if previous.get("smoke") == args.smoke:
+            results = {**{s["name"]: s for s in previous["steps"]}, **results}
+            commands = [*previous.get("commands", [previous.get("command")]), command]
+    report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands),
+              "commands": commands, "wall_s": round(time.perf_counter() - started, 1),
+              "steps": [results[name] for name in order if name in results]}
+    earlier.write_text(json.dumps(report, indent=2) + "\n")
     write_report(report, out / "report.md")
-    failed = [s.name for s in steps if s.result["status"] == "failed"]
-    print(f"[gpu_check] report: {out / 'report.md'}; {len(steps) - len(failed)} of {len(steps)} steps passed or "
+    failed = [name for name, r in results.items() if r["status"] == "failed"]
+    print(f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "
           f"skipped{'; failed: ' + ', '.join(failed) if failed else ''}")
     return 1 if failed else 0
 
