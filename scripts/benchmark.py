@@ -1,30 +1,41 @@
-"""Training throughput and memory of HF Trainer, a hand-written loop and our batching modes, side by side, one process.
+"""Training throughput, MFU and memory of HF Trainer, a hand-written loop and our batching modes, side by side, one run.
 
     OMP_NUM_THREADS=2 python scripts/benchmark.py --quick [--json bench.json]
     OMP_NUM_THREADS=2 python scripts/benchmark.py --steps 3 --rounds 2 --json bench.json
     python scripts/benchmark.py --model smollm2 --quick
+    python scripts/benchmark.py --device cuda --precision bf16 --model 0.5b --micro-batch 32 --json gpu.json
 
-The built-in docstring set with the SmolLM2 tokenizer and chat template (loss on the assistant's tokens), the model of
-recipes/bench.yaml (Llama-shaped, hidden 384, 6 layers, SmolLM2 vocabulary, random init with the same seed for every
-arm; `--model smollm2`: the real SmolLM2-135M), micro-batch 8 × accumulation 4, fp32. Arms:
+The built-in docstring set with the SmolLM2 tokenizer and chat template (loss on the assistant's tokens), micro-batch 8
+× accumulation 4, fp32 on the CPU unless told (`--device cuda|cpu`, `--precision fp32|bf16|fp16`: autocast with fp32
+weights, as `train.precision` and `TrainingArguments(bf16=/fp16=)` do; fp16 needs a GPU). Models (random init with the
+same seed for every arm): `bench` the model of recipes/bench.yaml (Llama-shaped, hidden 384, 6 layers, SmolLM2
+vocabulary); `0.5b` Llama-shaped, 24 layers, hidden 1,280, MLP 3,584, 20 query / 4 key-value heads, SmolLM2's 49,152
+vocabulary (0.49B parameters); `smollm2-135m` SmolLM2-135M's own config; `tiny` tests; `smollm2`: the real
+SmolLM2-135M weights. Arms:
 
 - hf_padded:  transformers.Trainer (TrainingArguments defaults otherwise: fused AdamW, linear schedule),
-  DataCollatorForSeq2Seq (labels -100 on padding), random order;
-- hf_flatten: transformers.Trainer, DataCollatorWithFlattening (padding-free rows of 8 sequences);
+  DataCollatorForSeq2Seq (labels -100 on padding), random order, sdpa;
+- hf_flatten: transformers.Trainer, DataCollatorWithFlattening (padding-free rows of 8 sequences), sdpa;
+- hf_flatten_flash: the same with flash_attention_2 and `return_flash_attn_kwargs=True` (transformers' varlen path),
+  where flash-attn is installed (on CUDA);
 - padded, length_grouped, token_budget, packed: ours, `finetune.assemble.build(cfg)` on recipes/bench.yaml with
   data.batching set (what users run). token_budget holds the mean computed tokens of a random padded micro-batch of 8
   (`data.max_tokens_per_micro_batch`) and 4× that per optimizer step (`train.global_batch_tokens`); packed puts 8
   sequences in a row, as hf_flatten does (`--packed budget`: filled to the token budget instead);
 - hand_loop:  plain PyTorch over exactly the micro-batches hf_padded trained on: full logits, cross-entropy against the
   shifted labels summed and divided by the window's label tokens, backward, clip, AdamW (foreach on CPU, fused on
-  CUDA, as ours).
+  CUDA, as ours), under the same autocast (and a GradScaler in fp16).
 
 Each arm builds its model (same seed) and trainer, runs `--warmup` optimizer steps untimed, then `--steps` timed; rounds
 repeat all arms in a rotated order and report the median rate. Tokens are counted at the model's forward: computed =
-input_ids elements, real = attention-mask ones (every position of a padding-free row). Peak memory above the arm's
-start (weights, gradients and optimizer states included): on CUDA max_memory_allocated; on CPU the resident-set
-high-water mark (VmHWM, reset through /proc/self/clear_refs) after gc and malloc_trim. The packed arm runs once more
-with accumulation 1 over the same micro-batches, for the accumulation memory target.
+input_ids elements, real = attention-mask ones (every position of a padding-free row), summed on the device; step ends
+are CUDA events: the measuring hooks never wait for the GPU (scripts/bench_measure.py). MFU: (6 × matmul parameters +
+12 × layers × hidden × mean sequence length) FLOPs per real token × real tokens/s over the device's dense peak for the
+precision (finetune.meter's table, or `--peak-tflops`); none on a CPU. "× best HF": the arm's real tokens/s and peak
+memory over those of the fastest Trainer arm. Peak memory above the arm's start (weights, gradients and optimizer
+states included): on CUDA max_memory_allocated; on CPU the resident-set high-water mark (VmHWM, reset through
+/proc/self/clear_refs) after gc and malloc_trim. The packed arm runs once more with accumulation 1 over the same
+micro-batches, for the accumulation memory target.
 
 On a shared machine wall-clock rates mean little: "others CPU" is the share of the machine's CPU time other processes
 used during an arm's timed steps, and an arm is re-run (`--retries`) while they took cores its threads needed. CPU time
@@ -35,133 +46,45 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
+import dataclasses
 import io
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
+from bench_measure import Clock, PeakMemory, Recording, mfu
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "bench.yaml"
-ARMS = ("hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed", "hand_loop")
+ARMS = ("hf_padded", "hf_flatten", "hf_flatten_flash", "padded", "length_grouped", "token_budget", "packed",
+        "hand_loop")
+HF = ("hf_padded", "hf_flatten", "hf_flatten_flash")
 OURS = ("padded", "length_grouped", "token_budget", "packed")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# config_overrides on SmolLM2-135M's config (SmolLM2's vocabulary, tied embedding, head_dim 64); None: the recipe's
+MODELS = {
+    "bench": None,
+    "tiny": TINY,
+    "0.5b": dict(hidden_size=1280, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=20,
+                 num_key_value_heads=4),
+    "smollm2-135m": {},
+    "smollm2": {},  # pretrained weights
+}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# ---- measuring ----
+def flash_attention() -> str | None:
+    """transformers' flash-attention varlen implementation, where flash-attn is installed and CUDA is there."""
+    from transformers.utils import is_flash_attn_2_available
 
-
-def proc_status_kb(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def machine_busy() -> float:
-    """CPU seconds all processes on the machine have run so far (user, nice, system, irq, softirq: /proc/stat)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
-
-
-class PeakMemory:
-    """Peak memory of one arm above its start, in MiB: CUDA allocations, or the process's resident set: its high-water
-    mark (VmHWM, reset through /proc/self/clear_refs), or where that cannot be reset, VmRSS sampled every 2 ms."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.sampler = cuda, None
-        self.kind = "CUDA max_memory_allocated" if cuda else "CPU resident set (VmHWM)"
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap pages, so the previous arm's stay out
-        self.base = proc_status_kb("VmRSS") * 1024
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
-        except OSError:
-            self.kind = "CPU resident set (VmRSS sampled every 2 ms)"
-            self.sampler = RssSampler()
-
-    def peak_mb(self) -> float:
-        if self.cuda:
-            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        peak = self.sampler.stop() if self.sampler else proc_status_kb("VmHWM")
-        self.sampler = None
-        return (peak * 1024 - self.base) / 2**20
-
-
-class RssSampler(threading.Thread):
-    """The largest VmRSS (KiB) seen until `stop()`."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak, self.done = proc_status_kb("VmRSS"), threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self.done.wait(0.002):
-            self.peak = max(self.peak, proc_status_kb("VmRSS"))
-
-    def stop(self) -> int:
-        self.done.set()
-        self.join()
-        return max(self.peak, proc_status_kb("VmRSS"))
-
-
-class Clock:
-    """Forward pre-hook counting computed and real tokens (and keeping the batches if asked); `mark()` at the end of
-    every optimizer step records wall time, CPU time and the counts."""
-
-    def __init__(self, cuda: bool, keep_batches: bool = False):
-        self.cuda, self.computed, self.real = cuda, 0, 0
-        self.batches: list[dict] | None = [] if keep_batches else None
-        self.marks = [(time.perf_counter(), time.process_time(), machine_busy(), 0, 0)]
-
-    def __call__(self, module, args, kwargs):
-        if not torch.is_grad_enabled():  # a gradient-free forward (our chunked-head probe) trains on nothing
-            return
-        from finetune.meter import batch_counts  # what the trainer logs: real = attention-mask ones, or all if none
-
-        _, real, computed, _ = batch_counts(kwargs)
-        self.real, self.computed = self.real + real, self.computed + computed
-        if self.batches is not None:
-            keys = ("input_ids", "attention_mask", "labels")
-            self.batches.append({k: kwargs[k].detach().cpu().clone() for k in keys})
-
-    def mark(self, *_, **__) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.marks.append((time.perf_counter(), time.process_time(), machine_busy(), self.real, self.computed))
-
-    def result(self, warmup: int) -> dict:
-        (t0, p0, b0, r0, c0), (t1, p1, b1, r1, c1) = self.marks[warmup], self.marks[-1]
-        cores = os.cpu_count() or 1
-        others = max(0.0, (b1 - b0) - (p1 - p0)) / max((t1 - t0) * cores, 1e-9)  # of the machine's CPU time
-        return {"seconds": t1 - t0, "cpu_seconds": p1 - p0, "real_tokens": r1 - r0, "computed_tokens": c1 - c0,
-                "steps": len(self.marks) - 1 - warmup, "all_real": r1, "all_computed": c1, "others_cpu": others}
-
-    def attach(self, trainer) -> None:
-        from transformers import PrinterCallback, ProgressCallback, TrainerCallback
-
-        for quiet in (PrinterCallback, ProgressCallback):
-            trainer.remove_callback(quiet)
-        trainer.add_callback(type("StepClock", (TrainerCallback,), {"on_step_end": self.mark})())
-        trainer.model.register_forward_pre_hook(self, with_kwargs=True)
+    return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else None
 
 
 # ---- the arms ----
@@ -180,6 +103,7 @@ class Bench:
         self.tokenizer = load_tokenizer(self.cfg.model, model_folder(self.cfg.model))
         self.dataset, self.report = load_sft_dataset(self.cfg.data, self.tokenizer)
         lengths = [len(ids) for ids in self.dataset["input_ids"]]
+        self.mean_length = sum(lengths) / len(lengths)  # the attention term of MFU
         self.budget = max(round(mean_padded_tokens(lengths, self.micro)), self.cfg.data.max_length)
         self.steps = args.warmup + args.steps
         self.hand_batches: list[dict] | None = None  # recorded by hf_padded
@@ -192,25 +116,39 @@ class Bench:
         keys = [f"train.micro_batch_size={a.micro_batch}", f"train.global_batch_size={a.micro_batch * a.accumulation}"]
         keys += [f"data.limit={a.limit}"] if a.limit else []
         keys += [f"data.max_length={a.max_length}"] if a.max_length else []
+        keys += [f"train.precision={a.precision}"]
         keys += [*overrides, f"train.output_dir={tempfile.mkdtemp(dir=self.scratch)}"]
         cfg = load_config([f"recipe={RECIPE}", *keys])
         if a.model == "smollm2":  # the pretrained weights, not a random init
             cfg.model.from_config, cfg.model.config_overrides = False, {}
-        elif a.model == "tiny":
-            cfg.model.config_overrides = dict(TINY)
+        elif MODELS[a.model] is not None:
+            cfg.model.config_overrides = dict(MODELS[a.model])
         return cfg
 
     def describe(self) -> str:
-        o = self.cfg.model.config_overrides
-        model = ("SmolLM2-135M-Instruct (pretrained)" if self.args.model == "smollm2" else
-                 f"Llama, hidden {o['hidden_size']}, {o['num_hidden_layers']} layers, SmolLM2 vocabulary, random init")
+        o, name = self.model_config(), self.args.model
+        model = (f"{'SmolLM2-135M-Instruct (pretrained)' if name == 'smollm2' else name + ': random init'}, Llama, "
+                 f"hidden {o.hidden_size}, {o.num_hidden_layers} layers, {o.num_attention_heads}/"
+                 f"{o.num_key_value_heads} heads, MLP {o.intermediate_size}, vocabulary {o.vocab_size}")
         device = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else \
             f"CPU, {torch.get_num_threads()} thread(s)"
-        return (f"data: {self.report.summary()}\nmodel: {model}; fp32; {device}\nbatch: micro {self.micro} × "
+        return (f"data: {self.report.summary()}\nmodel: {model}; {self.args.precision}; {device}\n"
+                f"batch: micro {self.micro} × "
                 f"accumulation {self.accumulation}; token budget {self.budget} computed tokens per micro-batch (the "
                 f"mean of a random padded one), {self.budget * self.accumulation} per step; packed: {self.args.packed}"
                 f"\n{self.args.warmup} warm-up + {self.args.steps} timed optimizer steps per arm, {self.args.rounds} "
                 f"round(s)")
+
+    def model_config(self):
+        """The transformers config every arm's model is built from."""
+        from transformers import AutoConfig
+
+        from finetune.model.loading import model_folder
+
+        config = AutoConfig.from_pretrained(model_folder(self.cfg.model))
+        for key, value in (self.cfg.model.config_overrides if self.cfg.model.from_config else {}).items():
+            setattr(config, key, value)
+        return config
 
     def run(self, arm: str, accumulation: int | None = None, steps: int | None = None) -> Clock:
         cuda = torch.cuda.is_available()
@@ -240,54 +178,72 @@ class Bench:
         self.gradient_mb = sum(p.numel() * p.element_size() for p in trainable) / 2**20
         return clock
 
-    def new_model(self):
+    def new_model(self, attention: str | None = None):
         from transformers import set_seed
 
         from finetune.model.loading import load_model, model_folder
 
         set_seed(self.cfg.train.seed)  # as build() does: the same initial weights in every arm
-        return load_model(self.cfg.model, model_folder(self.cfg.model))
+        model_cfg = self.cfg.model if attention is None else dataclasses.replace(self.cfg.model,
+                                                                                  attn_implementation=attention)
+        return load_model(model_cfg, model_folder(self.cfg.model))
 
     def run_hf(self, arm: str, cuda: bool) -> Clock:
         from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-        collator = (DataCollatorWithFlattening() if arm == "hf_flatten"
-                    else DataCollatorForSeq2Seq(self.tokenizer, label_pad_token_id=-100, return_tensors="pt"))
-        t = self.cfg.train
+        if arm == "hf_padded":
+            collator = DataCollatorForSeq2Seq(self.tokenizer, label_pad_token_id=-100, return_tensors="pt")
+        else:  # with flash attention, the collator hands the varlen kernel cu_seqlens (no re-derivation per layer)
+            collator = DataCollatorWithFlattening(return_flash_attn_kwargs=arm == "hf_flatten_flash")
+        recording = arm == "hf_padded" and self.hand_batches is None
+        if recording:  # what hand_loop replays, kept on the host by the collator (no sync in the measured steps)
+            collator = Recording(collator)
+        t, precision = self.cfg.train, self.args.precision
         args = TrainingArguments(
             output_dir=t.output_dir, per_device_train_batch_size=self.micro,
             gradient_accumulation_steps=self.accumulation, max_steps=self.steps, learning_rate=self.cfg.optim.lr,
-            max_grad_norm=t.max_grad_norm, seed=t.seed,
+            max_grad_norm=t.max_grad_norm, seed=t.seed, bf16=precision == "bf16", fp16=precision == "fp16",
             report_to=[], save_strategy="no", logging_steps=10**6, use_cpu=not cuda,
         )
-        trainer = Trainer(model=self.new_model(), args=args, train_dataset=self.dataset, data_collator=collator)
-        clock = Clock(cuda, keep_batches=arm == "hf_padded" and self.hand_batches is None)
+        model = self.new_model(flash_attention() if arm == "hf_flatten_flash" else None)
+        trainer = Trainer(model=model, args=args, train_dataset=self.dataset, data_collator=collator)
+        clock = Clock(cuda)
         clock.attach(trainer)
         trainer.train()
-        self.hand_batches = self.hand_batches or clock.batches
+        if recording:
+            self.hand_batches = collator.batches
         return clock
 
     def run_hand_loop(self, cuda: bool) -> Clock:
         import torch.nn.functional as F
 
+        from finetune.meter import matmul_parameters
+
         device = torch.device("cuda" if cuda else "cpu")
         model, o = self.new_model().to(device).train(), self.cfg.optim
         optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                       weight_decay=o.weight_decay, **({"fused": True} if cuda else {"foreach": True}))
+        dtype = AUTOCAST.get(self.args.precision)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+        scaler = torch.amp.GradScaler(device.type, enabled=self.args.precision == "fp16")
         clock, k = Clock(cuda), self.accumulation
+        clock.matmul_params = matmul_parameters(model)
         for step in range(self.steps):
             window = self.hand_batches[step * k : (step + 1) * k]
-            label_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
+            label_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)  # host tensors: no sync
             for batch in window:
                 ids, mask, labels = (batch[key].to(device) for key in ("input_ids", "attention_mask", "labels"))
                 clock(model, (), {"input_ids": ids, "attention_mask": mask})
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                with autocast:
+                    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 # shift the labels, not the logits: slicing [B, T, V] logits would copy them
                 targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-                (loss / label_tokens).backward()
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+                scaler.scale(loss / label_tokens).backward()
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             clock.mark()
         return clock
@@ -317,10 +273,28 @@ def summarize(runs: list[dict]) -> dict:
         "attempts": sum(r["attempts"] for r in runs),
         "timed_real_tokens": sum(r["real_tokens"] for r in runs),
         "timed_computed_tokens": sum(r["computed_tokens"] for r in runs),
+        "matmul_params": runs[0]["matmul_params"],
     }
 
 
-def targets(results: dict, accumulation: int = 4) -> list[tuple[str, bool | None, str]]:
+def add_utilisation(results: dict, bench: Bench) -> None:
+    """Per arm: MFU (None without a known peak) and the real tokens/s and peak memory over those of the fastest
+    Trainer arm (`vs_best_hf`, and which arm that is)."""
+    from finetune.meter import device_peak_flops
+
+    config = bench.model_config()
+    peak = device_peak_flops(bench.args.precision, bench.args.peak_tflops)
+    hf = [arm for arm in HF if arm in results]
+    best = max(hf, key=lambda arm: results[arm]["real_tokens_per_s"]) if hf else None
+    for r in results.values():
+        r["mfu"] = mfu(r["real_tokens_per_s"], r["matmul_params"], config.num_hidden_layers, config.hidden_size,
+                       bench.mean_length, peak)
+        r["best_hf_arm"] = best
+        r["tokens_per_s_vs_best_hf"] = r["real_tokens_per_s"] / results[best]["real_tokens_per_s"] if best else None
+        r["peak_mem_vs_best_hf"] = r["peak_mem_mb"] / results[best]["peak_mem_mb"] if best else None
+
+
+def targets(results: dict, accumulation: int = 4, model: str = "bench") -> list[tuple[str, bool | None, str]]:
     """(target, passed, measured); passed is None where an arm it needs did not run."""
     def get(arm, key):
         return results.get(arm, {}).get(key)
@@ -338,6 +312,16 @@ def targets(results: dict, accumulation: int = 4) -> list[tuple[str, bool | None
         share = get(arm, "real_token_share")
         rows.append((f"{arm} real-token share ≥ 0.95", None if share is None else share >= 0.95,
                      "n/a" if share is None else f"{share:.3f}"))
+    best = next((r["best_hf_arm"] for r in results.values() if r.get("best_hf_arm")), None)
+    for arm in ("packed", "token_budget"):
+        rows.append(at_least(f"{arm} ≥ 1.2× best Trainer arm ({best}) real tokens/s", get(arm, "real_tokens_per_s"),
+                             get(best, "real_tokens_per_s"), 1.2))
+        rows.append(at_most(f"{arm} peak memory ≤ 0.8× best Trainer arm ({best})", get(arm, "peak_mem_mb"),
+                            get(best, "peak_mem_mb"), 0.8))
+    if model == "0.5b":
+        share = get("packed", "mfu")
+        rows.append(("packed MFU ≥ 40 % (0.5b)", None if share is None else share >= 0.4,
+                     "n/a" if share is None else f"{share:.1%}"))
     rows.append(at_least("padded ≥ 0.97× hand_loop real tokens/s", get("padded", "real_tokens_per_s"),
                          get("hand_loop", "real_tokens_per_s"), 0.97))
     rows.append(at_most("packed peak memory ≤ 0.8× hf_flatten", get("packed", "peak_mem_mb"),
@@ -347,21 +331,29 @@ def targets(results: dict, accumulation: int = 4) -> list[tuple[str, bool | None
     return rows
 
 
-def print_report(results: dict, memory_kind: str, header: str, accumulation: int) -> None:
+def print_report(results: dict, memory_kind: str, header: str, accumulation: int, model: str) -> None:
+    best = next((r["best_hf_arm"] for r in results.values() if r.get("best_hf_arm")), None)
     print(f"\n{header}\npeak MiB: {memory_kind}, above the arm's start; others CPU: the share of the machine's CPU "
-          "time other processes used during the timed steps (high: wall-clock rates are not comparable)\n")
-    print(f"{'arm':<24}{'real tok/s':>11}{'computed tok/s':>15}{'real share':>11}{'peak MiB':>9}"
-          f"{'real tok/CPU-s':>15}{'others CPU':>11}{'timed steps':>12}")
+          "time other processes used during the timed steps (high: wall-clock rates are not comparable); × best HF: "
+          f"over the fastest Trainer arm ({best})\n")
+    print(f"{'arm':<24}{'real tok/s':>11}{'computed tok/s':>15}{'real share':>11}{'peak MiB':>9}{'MFU':>7}"
+          f"{'× best HF tok/s':>16}{'× best HF mem':>14}{'real tok/CPU-s':>15}{'others CPU':>11}{'timed steps':>12}")
+
+    def ratio(value):
+        return "n/a" if value is None else f"{value:.2f}"
+
     for arm, r in results.items():
         print(f"{arm:<24}{r['real_tokens_per_s']:>11.0f}{r['computed_tokens_per_s']:>15.0f}"
-              f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}{r['real_tokens_per_cpu_s']:>15.0f}"
+              f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}"
+              f"{'n/a' if r['mfu'] is None else format(r['mfu'], '.1%'):>7}{ratio(r['tokens_per_s_vs_best_hf']):>16}"
+              f"{ratio(r['peak_mem_vs_best_hf']):>14}{r['real_tokens_per_cpu_s']:>15.0f}"
               f"{r['others_cpu_share']:>11.0%}{r['timed_steps']:>12}")
     if "peak_mem_mb_accumulation_1" in results.get("packed", {}):
         packed = results["packed"]
         print(f"{'packed, accumulation 1':<24}{'':>37}{packed['peak_mem_mb_accumulation_1']:>9.0f}   (accumulating "
               f"keeps the gradients between micro-batches: {packed['gradient_mb']:.0f} MiB)")
     print("\ntargets:")
-    for name, passed, measured in targets(results, accumulation):
+    for name, passed, measured in targets(results, accumulation, model):
         print(f"  {'n/a ' if passed is None else 'PASS' if passed else 'FAIL'}  {name}: {measured}")
 
 
@@ -371,8 +363,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="timed optimizer steps per arm per round (default 3; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--rounds", type=int, help="repeats of all arms, rotated order (default 2; --quick 1)")
-    parser.add_argument("--model", choices=("bench", "smollm2", "tiny"), default="bench",
-                        help="bench: recipes/bench.yaml (hidden 384, 6 layers); smollm2: SmolLM2-135M; tiny: tests")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where there is one, else cpu")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="autocast over fp32 weights, every arm (fp16 needs a GPU)")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: finetune.meter)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="bench",
+                        help="bench: recipes/bench.yaml (hidden 384, 6 layers); 0.5b: 24 layers, hidden 1280; "
+                             "smollm2-135m: its config, random init; smollm2: its weights; tiny: tests")
     parser.add_argument("--packed", choices=("sequences", "budget"), default="sequences",
                         help="packed rows of --micro-batch sequences (as hf_flatten), or filled to the token budget")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
@@ -389,9 +386,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.steps, args.rounds = args.steps or (1 if args.quick else 3), args.rounds or (1 if args.quick else 2)
     args.retries = args.retries if args.retries is not None else (0 if args.quick else 2)
-    asked = args.arms.split(",")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything touches CUDA: every arm stays off it
+    elif not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    if args.precision == "fp16" and args.device == "cpu":
+        parser.error("--precision fp16 needs a GPU (accelerate runs fp16 on a CPU as plain fp32); use bf16 or fp32")
+    flash = flash_attention()
+    default_arms = args.arms == ",".join(ARMS)
+    asked = [a for a in args.arms.split(",") if flash or not default_arms or a != "hf_flatten_flash"]
     if set(asked) - set(ARMS):
         parser.error(f"unknown arm(s) {', '.join(sorted(set(asked) - set(ARMS)))}; choose from {', '.join(ARMS)}")
+    if "hf_flatten_flash" in asked and not flash:
+        parser.error("hf_flatten_flash needs flash-attn (transformers' is_flash_attn_2_available) and a CUDA device")
     if "hand_loop" in asked and "hf_padded" not in asked:
         parser.error("hand_loop replays hf_padded's micro-batches: include hf_padded")
     args.arms = [a for a in ARMS if a in asked]
@@ -437,6 +445,7 @@ def measure(bench: Bench, started: float) -> tuple[dict, str]:
             bench.run("packed", accumulation=1, steps=bench.steps * bench.accumulation)
             accumulation_1 = memory.peak_mb()
     results = {arm: summarize(r) for arm, r in runs.items()}
+    add_utilisation(results, bench)
     if accumulation_1 is not None:
         results["packed"]["peak_mem_mb_accumulation_1"] = accumulation_1
         results["packed"]["gradient_mb"] = bench.gradient_mb
@@ -458,7 +467,7 @@ def main(argv: list[str]) -> int:
         results, memory_kind = measure(bench, started)
     finally:
         shutil.rmtree(bench.scratch, ignore_errors=True)
-    print_report(results, memory_kind, bench.describe(), bench.accumulation)
+    print_report(results, memory_kind, bench.describe(), bench.accumulation, args.model)
     print(f"\ntotal {time.perf_counter() - started:.0f} s wall, {time.process_time():.0f} s CPU")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed", "hand_loop"]
@@ -51,3 +53,72 @@ def test_quick_run_writes_every_arm(tmp_path):
     targets = ("packed ≥ 1.2× hf_flatten", "padded ≥ 0.97× hand_loop", "accumulation 2 ≤ 1.1× accumulation 1")
     for target in targets:
         assert target in result.stdout
+    # ratios over the fastest Trainer arm; no MFU without a device peak (CPU)
+    best = results["packed"]["best_hf_arm"]
+    assert best == max(("hf_padded", "hf_flatten"), key=lambda arm: results[arm]["real_tokens_per_s"])
+    for arm, r in results.items():
+        assert r["best_hf_arm"] == best and r["mfu"] is None, arm
+        fastest = results[best]["real_tokens_per_s"]
+        assert r["tokens_per_s_vs_best_hf"] == pytest.approx(r["real_tokens_per_s"] / fastest)
+        assert r["peak_mem_vs_best_hf"] == pytest.approx(r["peak_mem_mb"] / results[best]["peak_mem_mb"])
+    assert results["packed"]["matmul_params"] == results["hand_loop"]["matmul_params"] > 0
+    assert f"packed ≥ 1.2× best Trainer arm ({best}) real tokens/s" in result.stdout
+
+
+@pytest.mark.subprocess
+def test_fp16_on_a_cpu_is_refused_in_one_line():
+    cmd = [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--precision", "fp16", "--quick"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--precision fp16 needs a GPU" in result.stderr
+
+
+def bench_measure():
+    spec = importlib.util.spec_from_file_location("bench_measure", ROOT / "scripts" / "bench_measure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_clock_hooks_count_tokens_without_reading_the_device():
+    """The forward hook and step mark run inside training: no op that would make the host wait for a GPU (`.item()`,
+    `nonzero`, a copy to the host); the counts are read once, by result()."""
+    clock = bench_measure().Clock(cuda=False)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": mask}
+    flattened = {"input_ids": torch.ones(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    log = OpLog()
+    with log:
+        clock(None, (), padded)
+        clock.mark()
+        clock(None, (), flattened)
+        clock.mark()
+    assert log.ops  # the mode saw the hook's device-side sum
+    assert not {"aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten._to_copy"} & set(log.ops), log.ops
+    with torch.no_grad():  # a gradient-free forward (the chunked-head probe) trains on nothing: not counted
+        clock(None, (), padded)
+    r = clock.result(warmup=1)
+    assert (r["real_tokens"], r["computed_tokens"], r["steps"]) == (6, 6, 1)
+    assert (r["all_real"], r["all_computed"]) == (5 + 6, 8 + 6)
+
+
+def test_mfu_is_the_meters_flops_per_token():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.meter import flops_per_token, matmul_parameters
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100)
+    model = LlamaForCausalLM(config)
+    value = bench_measure().mfu(1000.0, matmul_parameters(model), 2, 32, 107.5, 1e12)
+    assert value == pytest.approx(flops_per_token(model, 107.5) * 1000.0 / 1e12, rel=1e-12)
+    assert bench_measure().mfu(1000.0, matmul_parameters(model), 2, 32, 107.5, None) is None

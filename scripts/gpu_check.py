@@ -1,0 +1,221 @@
+"""One command for a machine with a GPU and no internet: every GPU check of the project, one report.
+
+    python scripts/gpu_check.py --out gpu-report            # on the GPU machine (about 8 minutes on one H100)
+    python scripts/gpu_check.py --smoke --out /tmp/smoke    # the same steps at toy size, on a CPU (CI)
+
+Steps, each a command run in its own process (its output in DIR/logs/STEP.log), in this order:
+- gpu_tier: `pytest -m gpu` (the GPU tier; skipped without CUDA): passed / failed / skipped counts from its JUnit XML;
+- verify_fp32, verify_bf16, verify_fp16: `python -m finetune.verify` on recipes/debug.yaml in each precision: the
+  largest relative gradient error against float64 and its tolerance (fp16 on a CPU is refused: recorded as skipped);
+- loss_head: scripts/bench_loss_head.py (ours, torch's linear_cross_entropy, plain logits);
+- benchmark_0.5b, benchmark_smollm2-135m: scripts/benchmark.py in bf16 (--smoke: one, on the tiny model);
+- host_syncs: scripts/count_syncs.py on recipes/debug.yaml, bf16, packed rows.
+
+DIR/report.json and DIR/report.md hold the device, the versions, and per step its command, status (passed, failed,
+skipped with the reason), wall time and figures. A failed step does not stop the others; the exit status is 1 when
+any step failed, after the report is written. Where one command may run only so long (10 minutes on a lent machine),
+split it with `--only`: each command adds its steps to DIR's report, e.g. `--only gpu_tier,verify_fp32,verify_bf16,
+verify_fp16,loss_head,host_syncs` then `--only benchmark_0.5b,benchmark_smollm2-135m` with the same --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@dataclass
+class Step:
+    name: str
+    command: list[str]
+    timeout: int
+    read: str  # how its figures are read: pytest, verify, json
+    output: str | None = None  # the JSON file it writes (read == "json"), or the JUnit XML (pytest)
+    result: dict = field(default_factory=dict)
+
+
+def steps_for(out: Path, smoke: bool, cuda: bool) -> list[Step]:
+    device = "cuda" if cuda else "cpu"
+    verify_steps = "verify.steps=1" if smoke else "verify.steps=2"
+    junit = str(out / "gpu_tier.xml")
+    pytest = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
+    steps = [Step("gpu_tier", [*pytest, "tests"], 900, "pytest", junit)]
+    for precision in ("fp32", "bf16", "fp16"):
+        steps.append(Step(f"verify_{precision}", [PY, "-m", "finetune.verify", "recipe=recipes/debug.yaml",
+                                                  f"train.precision={precision}", verify_steps], 300, "verify"))
+    head = [PY, "scripts/bench_loss_head.py", "--device", device, "--json", str(out / "loss_head.json")]
+    steps.append(Step("loss_head", head + (["--quick", "--precision", "fp32,bf16"] if smoke else []), 600, "json",
+                      str(out / "loss_head.json")))
+    bench = [PY, "scripts/benchmark.py", "--device", device, "--precision", "bf16", "--rounds", "1", "--retries", "0"]
+    if smoke:
+        runs = {"tiny": ["--model", "tiny", "--quick", "--limit", "32", "--max-length", "128", "--micro-batch", "4",
+                         "--accumulation", "2", "--threads", "1", "--arms", "hf_padded,hf_flatten,token_budget,packed"]}
+    else:
+        sizes = ["--micro-batch", "32", "--steps", "5", "--packed", "budget"]
+        runs = {"0.5b": ["--model", "0.5b", *sizes], "smollm2-135m": ["--model", "smollm2-135m", *sizes]}
+    for model, extra in runs.items():
+        path = str(out / f"benchmark_{model}.json")
+        steps.append(Step(f"benchmark_{model}", [*bench, *extra, "--json", path], 900, "json", path))
+    syncs = str(out / "host_syncs.json")
+    steps.append(Step("host_syncs", [PY, "scripts/count_syncs.py", "--steps", "2" if smoke else "5", "--json", syncs,
+                                     "recipe=recipes/debug.yaml", "train.precision=bf16", "data.batching=packed"],
+                      300, "json", syncs))
+    return steps
+
+
+def shown(command: list[str]) -> str:
+    """The command as one would type it in the repository's root."""
+    return " ".join("python" if part == PY else part for part in command)
+
+
+def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:
+    """(status, figures, reason) of a finished step from its output and exit status."""
+    if step.read == "pytest":
+        if not Path(step.output).exists():
+            return "failed", {}, f"pytest wrote no JUnit XML (exit {returncode})"
+        suite = ET.parse(step.output).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        figures = {"collected": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+                   "failed": n["failures"] + n["errors"], "skipped": n["skipped"]}
+        if returncode == 5:  # pytest: no test collected
+            return ("failed" if cuda else "skipped"), figures, "no test is marked gpu"
+        return ("passed" if returncode == 0 else "failed"), figures, None
+    if step.read == "verify":
+        if returncode == 2 and not cuda and "needs a GPU" in text:
+            reason = next(line for line in text.splitlines() if "needs a GPU" in line).strip()
+            return "skipped", {}, reason
+        found = re.search(r"verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\), largest micro-batch "
+                          r"weight deviation (\S+) \(tolerance (\S+)\)", text)
+        if not found:
+            return "failed", {}, f"no verify verdict in the output (exit {returncode})"
+        verdict, error, tolerance, weight, weight_tolerance = found.groups()
+        figures = {"verdict": verdict, "relative_error": float(error), "tolerance": float(tolerance),
+                   "weight_deviation": float(weight), "weight_tolerance": float(weight_tolerance)}
+        return ("passed" if returncode == 0 and verdict == "PASS" else "failed"), figures, None
+    if returncode != 0:
+        return "failed", {}, f"exit status {returncode}"
+    if not Path(step.output).exists():
+        return "failed", {}, f"it wrote no {step.output}"
+    return "passed", json.loads(Path(step.output).read_text()), None
+
+
+def run_step(step: Step, logs: Path, cuda: bool) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
+               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
+        text, returncode = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, returncode = text + f"\n[gpu_check] timed out after {step.timeout} s", None
+    wall = time.perf_counter() - started
+    (logs / f"{step.name}.log").write_text(text)
+    if returncode is None:
+        status, figures, reason = "failed", {}, f"timed out after {step.timeout} s"
+    else:
+        try:
+            status, figures, reason = read_figures(step, text, returncode, cuda)
+        except (OSError, ValueError, ET.ParseError, StopIteration) as e:
+            status, figures, reason = "failed", {}, f"its output could not be read ({e})"
+    step.result = {"name": step.name, "command": shown(step.command), "status": status, "reason": reason,
+                   "returncode": returncode, "wall_s": round(wall, 1), "log": f"logs/{step.name}.log",
+                   "figures": figures}
+    print(f"[gpu_check] {step.name}: {status}{f' ({reason})' if reason else ''} in {wall:.0f} s", flush=True)
+
+
+def environment() -> dict:
+    import accelerate
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    try:
+        import flash_attn
+        flash = flash_attn.__version__
+    except ImportError:
+        flash = None
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+        has_varlen = True
+    except ImportError:
+        has_varlen = False
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                            f"{os.cpu_count()} cores)",
+        "cuda": torch.version.cuda if cuda else None, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "accelerate": accelerate.__version__, "flash_attn": flash,
+        "varlen_attn": has_varlen, "linear_cross_entropy": hasattr(torch.nn.functional, "linear_cross_entropy"),
+        "commit": (commit + (" (with uncommitted changes)" if dirty else "")) or None, "host": platform.node(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for report.md, report.json, the logs and step outputs")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU: the same steps in a few minutes")
+    parser.add_argument("--only", help="comma-separated step names (default: all); the steps of an earlier report in "
+                                       "--out that are not run again stay in it (split a run over several commands)")
+    args = parser.parse_args(argv)
+    import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
+    from gpu_report import write_report  # beside this script
+
+    out = Path(args.out).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("[gpu_check] no CUDA device: the full-size steps need one; --smoke runs them at toy size on a CPU",
+              file=sys.stderr)
+        return 2
+    steps = steps_for(out, args.smoke, cuda)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = set(wanted) - {s.name for s in steps}
+        if unknown:
+            parser.error(f"unknown step(s) {', '.join(sorted(unknown))}; choose from "
+                         f"{', '.join(s.name for s in steps)}")
+        steps = [s for s in steps if s.name in wanted]
+    order = [s.name for s in steps_for(out, args.smoke, cuda)]
+    started = time.perf_counter()
+    for step in steps:
+        run_step(step, out / "logs", cuda)
+    results = {s.name: s.result for s in steps}
+    command = shown([PY, "scripts/gpu_check.py", *argv])
+    earlier = out / "report.json"
+    commands = [command]
+    if args.only and earlier.exists():  # keep the steps an earlier command of this report ran
+        previous = json.loads(earlier.read_text())
+        if previous.get("smoke") == args.smoke:
+            results = {**{s["name"]: s for s in previous["steps"]}, **results}
+            commands = [*previous.get("commands", [previous.get("command")]), command]
+    report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands),
+              "commands": commands, "wall_s": round(time.perf_counter() - started, 1),
+              "steps": [results[name] for name in order if name in results]}
+    earlier.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, out / "report.md")
+    failed = [name for name, r in results.items() if r["status"] == "failed"]
+    print(f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "
+          f"skipped{'; failed: ' + ', '.join(failed) if failed else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
