@@ -239,12 +239,19 @@ def head_cross_entropy_sum(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
     (and bias), computed in chunks so that [N, V] logits never exist whole. `compute_dtype`: the GEMMs' dtype under
-    mixed precision (None: the weight's). The count is the host's (N): no host sync."""
+    mixed precision (None: the ambient autocast's, else the weight's). The count is the host's (N): no host sync."""
     count = kept_hidden.shape[0] if kept_hidden.dim() == 2 else -1
     _check_kept(count, targets, "kept hidden states", kept_hidden.shape)
     if count == 0:  # keeps the graph (zero gradients) without an empty matmul
         return kept_hidden.sum() * 0.0, torch.tensor(0)
     kept = kept_targets(targets, count).to(kept_hidden.device)
-    chunk_rows = head_chunk_rows(weight.shape[0], kept_hidden.device)
-    total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept, chunk_rows, label_smoothing, compute_dtype)
+    device = kept_hidden.device
+    chunk_rows = head_chunk_rows(weight.shape[0], device)
+    # Called inside autocast (the planner's trials, a user's loop), its dtype is the GEMMs'; the float32 parts must
+    # not be autocast back down, so autocast is off inside and the dtype is passed on explicitly.
+    if compute_dtype is None and torch.is_autocast_enabled(device.type):
+        compute_dtype = torch.get_autocast_dtype(device.type)
+    with torch.autocast(device.type, enabled=False):
+        total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept, chunk_rows, label_smoothing,
+                                               compute_dtype)
     return total, torch.tensor(count)

@@ -150,3 +150,15 @@ def test_fp16_chunked_head_under_grad_scaler_unscales_to_the_float64_gradient():
     scaler.step(optimizer)
     scaler.update()
     assert torch.equal(head.detach(), before) and scaler.get_scale() == 2.0**15  # skipped, scale halved
+
+
+def test_inside_autocast_the_head_takes_autocasts_dtype_and_keeps_float32_sums():
+    """The planner's trials and users' own loops call the loss inside autocast: the result is the explicit bf16 one
+    (the float32 log-sum-exp and sums are not autocast down), bit for bit."""
+    states, weight, labels = head_case(seed=5)
+    targets = next_token_targets(labels)
+    keep = targets != -100
+    explicit, _ = head_cross_entropy_sum(states[keep], weight, None, targets, compute_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ambient, _ = head_cross_entropy_sum(states[keep], weight, None, targets)
+    assert ambient.dtype == torch.float32 and torch.equal(ambient, explicit)
