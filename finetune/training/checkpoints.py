@@ -3,11 +3,8 @@
 A checkpoint-N (`save_atomically`, used by `RecipeTrainer._save_checkpoint`) holds the weights (model.safetensors, or
 adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
 CUDA), trainer_state.json (global step, log history), checkpoint_files.json (each file's size, checked at resume:
-checkpoint_files.py) and finetune_state.json (our counters; last). The data position needs no file: the sampler is
-seeded by train.seed and the epoch, budgeted micro-batches are formed from train.seed (finetune/data/batching.py), and
-a checkpoint is only taken between optimizer steps, so global_step × accumulation micro-batches into the epoch is the
-position (the Trainer skips them). Every .pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's
-training_args.bin (a pickle) is never loaded."""
+checkpoint_files.py) and finetune_state.json (our counters and the data position, resume_checks.py; last). Every
+.pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's training_args.bin (a pickle) is never loaded."""
 
 from __future__ import annotations
 
@@ -256,11 +253,13 @@ def save_atomically(trainer, save, model, trial) -> None:
             checkpoint_files.record_sizes(staged)  # what resume checks each file against
             write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
             commit(staged, final)
-    except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
-        if write_failure(e) is None:
-            raise
-        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
-        raise write_error(run_dir, name, write_failure(e)) from None
+    except BaseException as e:  # a full disk, a bug, Ctrl-C: no half-written checkpoint stays behind
+        shutil.rmtree(staged, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(staging_root(run_dir))
+        if isinstance(e, Exception) and write_failure(e) is not None:
+            raise write_error(run_dir, name, write_failure(e)) from None
+        raise
     finally:
         trainer.staging = False
     if trainer.args.should_save:
