@@ -3,10 +3,14 @@ recipes and data at resume, W&B without a network, signals however the run was l
 
 Every run here is the command a user runs (a subprocess on the debug recipe), stopped at a chosen moment."""
 
+import errno
 import json
 import os
+import re
+import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +101,119 @@ def test_a_streamed_run_on_two_ranks_resumes_bitwise(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-1'}" in resumed.stdout
     assert_same_run(out, reference)
+
+
+# ---- 2. one boundary rule: faults of the machine or a peer are one line, exit 2, never "a bug" ----
+
+
+def limit_file_size(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def assert_fault_line(result: subprocess.CompletedProcess, pattern: str) -> None:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(pattern, errors[0]), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "a bug in finetune" not in result.stderr
+
+
+@pytest.mark.subprocess
+def test_a_file_size_limit_hit_in_torch_save_is_one_line_and_leaves_no_staging(tmp_path):
+    out = tmp_path / "out"  # model.safetensors (12.6 MB) fits under 20 MB, optimizer.pt (25 MB, torch.save) does not
+    result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"],
+                 preexec=limit_file_size(20 * 2**20))
+    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(torch\.save could not "
+                              r"write its file: File too large\); a file grew past this process's file size limit "
+                              r"\(ulimit -f\); raise it")
+    assert not out.exists() or not list(out.rglob("*.safetensors"))  # no staging, no checkpoint
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB tmpfs (root only): one checkpoint of the debug model fits (41 MB), two do not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.subprocess
+def test_a_full_disk_while_torch_save_writes_is_one_line_with_disk_advice(small_disk):
+    out = small_disk / "out"
+    result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
+    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-2 failed \((torch\.save could not "
+                              r"write its file: )?No space left on device\); the disk is full; free space there")
+    assert not (out / ".staging").exists() and checkpoint_names(out) == ["checkpoint-1"]  # the older one stays
+    assert os.statvfs(small_disk).f_bfree * os.statvfs(small_disk).f_frsize > 20 * 2**20  # nothing half-written left
+
+
+@pytest.mark.subprocess
+def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path):
+    out = tmp_path / "out"
+    staging = out / ".staging"  # where checkpoints are written first: a read-only file system
+    staging.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(staging)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
+    finally:
+        subprocess.run(["umount", "-l", str(staging)], capture_output=True)
+    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(Read-only file system\); "
+                              r"the file system is read-only \(a disk error can remount it so\); choose a writable")
+
+
+@pytest.mark.parametrize("error, pattern", [
+    (OSError(errno.ENOSPC, "No space left on device", "/x/optimizer.pt"),
+     r"^/x/optimizer\.pt: No space left on device; the disk is full"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded", "/x/a"), r"Disk quota exceeded; your disk quota is used up"),
+    (OSError(errno.EROFS, "Read-only file system", "/x/a"), r"Read-only file system; the file system is read-only"),
+    (OSError(errno.EACCES, "Permission denied", "/x/a"), r"Permission denied; no permission to write there"),
+    (MemoryError(), r"^out of host memory \(MemoryError\)"),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:41234"), r"^lost another rank \(Connection closed by peer "),
+])
+def test_machine_and_peer_faults_are_classified_with_matching_advice(error, pattern):
+    from finetune.tools.boundary import machine_fault
+
+    assert re.search(pattern, machine_fault(error))
+    assert machine_fault(ValueError("a bug")) is None and machine_fault(OSError(errno.ENOENT, "x")) is None
+
+
+def test_a_real_host_allocation_failure_is_out_of_host_memory():
+    import torch
+
+    from finetune.tools.boundary import machine_fault
+
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**50, dtype=torch.uint8)  # a petabyte: DefaultCPUAllocator refuses it
+    assert machine_fault(caught.value).startswith("out of host memory (")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
+    """Two launchers of one rank each (as two machines): rank 1 is killed after step 2; rank 0 is not killed by its
+    own launcher, so it meets the dead peer in a collective and says so."""
+    port, out = free_port(), tmp_path / "out"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", "tests/workers/fault_worker.py", "die:1:2", *BASE,
+         "train.max_steps=6", f"train.output_dir={out}"],
+        cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)]
+    (_, survivor), _ = (p.communicate(timeout=600) for p in procs)
+    errors = [line for line in survivor.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, survivor[-3000:]
+    assert re.match(r"error: rank 0: lost rank 1 \(.*(Connection (reset|closed) by peer|Broken pipe).*\): rank 1 "
+                    r"stopped first \(killed, out of memory, or its machine failed\); .* train\.resume_from=auto$",
+                    errors[0]), errors[0]
+    assert "exitcode  : 2" in survivor and "a bug in finetune" not in survivor

@@ -21,6 +21,7 @@ import torch
 
 from finetune.recipe import RecipeError, TrainConfig
 from finetune.training import checkpoint_files
+from finetune.training.write_faults import write_error, write_failure
 
 STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
 STATE_FILE = "finetune_state.json"
@@ -104,21 +105,6 @@ def write_state(folder: str, state: dict) -> None:
 def read_state(folder: str) -> dict:
     with open(os.path.join(folder, STATE_FILE)) as f:
         return json.load(f)
-
-
-def write_failure(error: Exception) -> str | None:
-    """Why a save failed, if it failed to write (full disk, quota, file size limit); None for any other error."""
-    if isinstance(error, OSError):
-        return error.strerror or type(error).__name__
-    match = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(error).splitlines()[0] if str(error) else "")
-    return match.group(1) if match else None  # safetensors reports write errors as SafetensorError
-
-
-def write_error(output_dir: str, what: str, why: str) -> RecipeError:
-    return RecipeError(
-        f"train.output_dir={output_dir}: writing {what} failed ({why}); free disk space or choose another "
-        "train.output_dir (nothing half-written was left there)"
-    )
 
 
 # ---- the same model ----
@@ -254,11 +240,12 @@ def save_atomically(trainer, save, model, trial) -> None:
             write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
             commit(staged, final)
     except BaseException as e:  # a full disk, a bug, Ctrl-C: no half-written checkpoint stays behind
+        failure = write_failure(e, staged)
         shutil.rmtree(staged, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(staging_root(run_dir))
-        if isinstance(e, Exception) and write_failure(e) is not None:
-            raise write_error(run_dir, name, write_failure(e)) from None
+        if failure is not None:
+            raise write_error(run_dir, name, failure) from None
         raise
     finally:
         trainer.staging = False

@@ -93,11 +93,12 @@ def save_final(trainer, texts: dict[str, str]) -> None:
             for folder, _, files in os.walk(staged):  # on disk before the swap: a power loss never leaves empty files
                 for name in files:
                     fsync(os.path.join(folder, name))
-    except Exception as e:
-        if write_failure(e) is None:
-            raise
+    except BaseException as e:  # whatever stopped it: nothing half-written stays behind
+        failure = write_failure(e, str(staged))
         shutil.rmtree(staged, ignore_errors=True)
-        raise write_error(out, "the final model", write_failure(e)) from None
+        if failure is None:
+            raise
+        raise write_error(out, "the final model", failure) from None
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
         output_dir.swap_in(out, staged)
