@@ -217,3 +217,67 @@ def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
                     r"stopped first \(killed, out of memory, or its machine failed\); .* train\.resume_from=auto$",
                     errors[0]), errors[0]
     assert "exitcode  : 2" in survivor and "a bug in finetune" not in survivor
+
+
+# ---- 3. the recipe that trained, in each checkpoint, compared at resume ----
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+    """A run of 4 steps at lr 1e-3 with a checkpoint after each step."""
+    out = tmp_path_factory.mktemp("four") / "out"
+    done = run([*BASE, "train.max_steps=4", "train.save_steps=1", f"train.output_dir={out}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def from_checkpoint(run_dir: Path, step: int, tmp_path: Path) -> Path:
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(run_dir / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_steps, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    assert (four_steps / "checkpoint-2" / "recipe.yaml").read_text().count("lr: 0.001") == 1
+    out = from_checkpoint(four_steps, 2, tmp_path)
+    result = run([*BASE, "train.max_steps=4", "train.save_steps=1", f"train.output_dir={out}",
+                  "train.resume_from=auto", "optim.lr=5e-4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: resuming with")]
+    assert warnings == ["warning: resuming with optim.lr 0.001 → 0.0005: applied from optimizer step 3 (the optimizer "
+                        "and scheduler take them; steps 1-2 trained with the recorded values, and recipe.yaml says so)"]
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["learning_rate"] for e in history if "loss" in e] == [1e-3, 1e-3, 5e-4, 5e-4]
+    # AdamW (no weight decay) from the same state and gradient moves each weight by lr × m/(√v+ε): half of step 3's
+    # move at 1e-3 in the uninterrupted run
+    before, at_1e3 = load_file(four_steps / "checkpoint-2" / "model.safetensors"), load_file(
+        four_steps / "checkpoint-3" / "model.safetensors")
+    at_5e4 = load_file(out / "checkpoint-3" / "model.safetensors")
+    for name in before:
+        torch.testing.assert_close(at_5e4[name] - before[name], 0.5 * (at_1e3[name] - before[name]), rtol=1e-4,
+                                   atol=1e-7)
+    recipe = (out / "recipe.yaml").read_text()
+    assert recipe.startswith("# resumed at optimizer step 2: optim.lr 0.001 → 0.0005\n") and "lr: 0.0005" in recipe
+    assert (out / "checkpoint-4" / "recipe.yaml").read_text() == recipe
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.parametrize("change, message", [
+    ("optim.name=sgd", r"was trained with optim\.name=adamw, this run has optim\.name=sgd; resume with the recipe "
+                       r"that wrote it, or start fresh in another train\.output_dir$"),
+    ("model.lora.r=4", r"was trained with model\.lora\.r=8, this run has model\.lora\.r=4; resume with the recipe"),
+    ("data.loss_on=all", r"was trained with data\.loss_on=assistant, this run has data\.loss_on=all \(other rows\); "
+                         r"set it as that run had it, or set train\.resume_data_order_change=allow$"),
+])
+def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change, message, four_steps, tmp_path):
+    out = from_checkpoint(four_steps, 2, tmp_path)
+    result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto", change])
+    assert_fault_line(result, r"^error: train\.resume_from: \S+checkpoint-2 " + message)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]

@@ -97,6 +97,11 @@ def resume_path(train: TrainConfig) -> str | None:
     return resume
 
 
+def checkpoint_step(folder: str) -> int:
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        return int(json.load(f).get("global_step", 0))
+
+
 def write_state(folder: str, state: dict) -> None:
     with open(os.path.join(folder, STATE_FILE), "w") as f:
         json.dump(state, f, indent=1)
@@ -236,6 +241,10 @@ def save_atomically(trainer, save, model, trial) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
         if trainer.args.should_save:
+            for callback in trainer.callback_handler.callbacks:  # recipe.yaml, timings.jsonl: files of the run
+                for file_name, text in getattr(callback, "files_for_checkpoint", dict)().items():
+                    with open(os.path.join(staged, file_name), "w") as f:
+                        f.write(text)
             checkpoint_files.record_sizes(staged)  # what resume checks each file against
             write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
             commit(staged, final)

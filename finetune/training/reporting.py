@@ -139,13 +139,8 @@ class TimingLog(TrainerCallback):
         if state.is_world_process_zero and figures:
             self.lines.append(json.dumps({"step": state.global_step, **figures}) + "\n")
 
-    def on_save(self, args, state, control, **kwargs):
-        folder = os.path.dirname(self.checkpoint_file(state.global_step))
-        if state.is_world_process_zero and os.path.isdir(folder):
-            staged = os.path.join(folder, self.NAME + ".tmp")
-            with open(staged, "w") as f:
-                f.write(self.text())
-            os.replace(staged, os.path.join(folder, self.NAME))
+    def files_for_checkpoint(self) -> dict[str, str]:  # written into each checkpoint-N by save_atomically
+        return {self.NAME: self.text()}
 
     def text(self) -> str:
         return "".join(self.lines)
