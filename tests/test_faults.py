@@ -281,3 +281,49 @@ def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change
     result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto", change])
     assert_fault_line(result, r"^error: train\.resume_from: \S+checkpoint-2 " + message)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+# ---- 4. other data of the same row count ----
+
+
+def chat_rows(path: Path, answers: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {k}?"},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for k, a in enumerate(answers)))
+    return path
+
+
+def test_the_fingerprint_covers_every_row_and_not_the_chunking():
+    import datasets
+
+    from finetune.training.resume_checks import data_fingerprint
+
+    rows = {"input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(600)],
+            "labels": [[-100] * 3 + list(range(6)) for _ in range(600)]}
+    whole = datasets.Dataset.from_dict(rows)
+    chunked = datasets.concatenate_datasets([datasets.Dataset.from_dict({k: v[:250] for k, v in rows.items()}),
+                                             datasets.Dataset.from_dict({k: v[250:] for k, v in rows.items()})])
+    assert chunked.data.column("input_ids").num_chunks == 2 and data_fingerprint(whole) == data_fingerprint(chunked)
+    rows["labels"][417][5] = -100  # one label of one row in the middle
+    assert data_fingerprint(datasets.Dataset.from_dict(rows)) != data_fingerprint(whole)
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.parametrize("streaming", [False, True], ids=["in memory", "streamed"])
+def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(streaming, tmp_path):
+    data = chat_rows(tmp_path / "rows.jsonl", [f"answer number {k}." for k in range(16)])
+    out = tmp_path / "out"
+    args = [*BASE, f"data.source={data}", "train.max_steps=3", f"train.output_dir={out}",
+            f"data.streaming={str(streaming).lower()}"]
+    first = run([*args, "train.save_steps=1", "train.max_steps=1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    chat_rows(data, [f"answer number {k}." if k != 3 else "another answer." for k in range(16)])  # one row changed
+    refused = run([*args, "train.resume_from=auto"])
+    assert_fault_line(refused, r"^error: train\.resume_from: resuming with data_fingerprint [0-9a-f]{16} → "
+                               r"[0-9a-f]{16} would train on another data order and position .*set data\.source \(its "
+                               r"rows as read differ: the file was rewritten, or another one named\) as that run had "
+                               r"them, or set train\.resume_data_order_change=allow")
+    allowed = run([*args, "train.resume_from=auto", "train.resume_data_order_change=allow"])
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "resuming with data_fingerprint" in allowed.stderr  # the warning

@@ -9,8 +9,12 @@ count of micro-batches from its start.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
+import weakref
 
+import numpy as np
 import yaml
 from omegaconf import OmegaConf
 from transformers import TrainerCallback
@@ -24,7 +28,53 @@ STREAM = "stream"  # dataset_items of a streamed run
 # What each entry of a checkpoint's data position comes from, in recipe keys
 DATA_POSITION_KEYS = {"dataset_items": "data.source/data.limit", "seed": "train.seed", "ranks": "the number of ranks",
                       "micro_batches_per_step": "train.global_batch_size (or global_batch_tokens)",
-                      "items_per_micro_batch": "train.micro_batch_size"}
+                      "items_per_micro_batch": "train.micro_batch_size",
+                      "data_fingerprint": "data.source (its rows as read differ: the file was rewritten, or another "
+                                          "one named)"}
+STREAM_FINGERPRINT_ROWS = 1024  # a stream's fingerprint: its first rows in the source's order
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a memo: a dataset's rows never change
+
+
+def _array_digest(column) -> tuple[bytes, bytes]:
+    """(digest of the flattened values, digest of the row lengths) of an arrow list column, chunk by chunk (no copy
+    of the whole column; the same digests however it is chunked)."""
+    import pyarrow.compute as pc
+
+    values, lengths = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+    for chunk in column.chunks:  # as int32 (token ids and -100 fit): half the bytes to hash
+        values.update(np.asarray(chunk.flatten().to_numpy(zero_copy_only=False), dtype="<i4").data)
+        lengths.update(np.asarray(pc.list_value_length(chunk).to_numpy(zero_copy_only=False), dtype="<i4").data)
+    return values.digest(), lengths.digest()
+
+
+def _rows_digest(rows) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    for row in rows:
+        for key in ("input_ids", "labels"):
+            ids = np.asarray(row[key], dtype="<i8")
+            digest.update(len(ids).to_bytes(8, "little") + ids.tobytes())
+    return digest.digest()
+
+
+def data_fingerprint(dataset) -> str | None:
+    """A hash of the training rows as read (token ids and labels): every row of an in-memory set (its arrow columns,
+    chunk by chunk), a stream's first STREAM_FINGERPRINT_ROWS; None for a dataset of another kind."""
+    if dataset in _fingerprints:
+        return _fingerprints[dataset]
+    digest = hashlib.blake2b(digest_size=8)
+    if hasattr(dataset, "data") and hasattr(dataset, "column_names") and {"input_ids", "labels"} <= set(
+            dataset.column_names):
+        table = dataset.flatten_indices().data if getattr(dataset, "_indices", None) is not None else dataset.data
+        for name in ("input_ids", "labels"):
+            digest.update(b"".join(_array_digest(table.column(name))))
+    elif hasattr(dataset, "rows") and hasattr(dataset, "groups"):  # budgeted micro-batches: their rows
+        digest.update(_rows_digest(dataset.rows))
+    elif hasattr(dataset, "rows") and not has_length(dataset):  # a stream
+        digest.update(_rows_digest(itertools.islice(dataset.rows(), STREAM_FINGERPRINT_ROWS)))
+    else:
+        return None
+    _fingerprints[dataset] = digest.hexdigest()
+    return _fingerprints[dataset]
 
 
 def data_position(trainer) -> dict:
@@ -33,16 +83,22 @@ def data_position(trainer) -> dict:
     args = trainer.args
     return {"dataset_items": len(dataset) if has_length(dataset) else STREAM, "seed": args.seed,
             "ranks": args.world_size, "micro_batches_per_step": args.gradient_accumulation_steps,
-            "items_per_micro_batch": args.per_device_train_batch_size}
+            "items_per_micro_batch": args.per_device_train_batch_size,
+            "data_fingerprint": data_fingerprint(dataset)}
+
+
+def _differ(saved: dict, now: dict) -> list[str]:
+    keys = [k for k in now if k in saved and saved[k] is not None and now[k] is not None and saved[k] != now[k]]
+    return [k for k in keys if k != "data_fingerprint" or keys == [k]]  # other rows matter when nothing else differs
 
 
 def position_changes(saved: dict, now: dict) -> list[str]:
     """`key old → new` for each recorded figure that differs."""
-    return [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    return [f"{k} {saved[k]} → {now[k]}" for k in _differ(saved, now)]
 
 
 def changed_keys(saved: dict, now: dict) -> str:
-    return ", ".join(DATA_POSITION_KEYS[k] for k in now if k in saved and saved[k] != now[k])
+    return ", ".join(DATA_POSITION_KEYS[k] for k in _differ(saved, now))
 
 
 # ---- the recipe that trained, in each checkpoint; compared at resume ----
