@@ -327,3 +327,56 @@ def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(s
     allowed = run([*args, "train.resume_from=auto", "train.resume_data_order_change=allow"])
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "resuming with data_fingerprint" in allowed.stderr  # the warning
+
+
+# ---- 5. W&B: auto goes online only when the service answers; online without a key or network is one line ----
+
+
+@pytest.fixture
+def silent_service():
+    """A loopback port that accepts connections and never answers (a network that swallows packets)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def wandb_env(tmp_path: Path, url: str, key: bool) -> dict:
+    env = {"HOME": str(tmp_path / "home"), "WANDB_BASE_URL": url, "WANDB_MODE": ""}  # no ~/.netrc
+    return {**env, "WANDB_API_KEY": "k" * 40} if key else env
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(silent_service, tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, silent_service, key=True)}.items() if v}
+    result = subprocess.run([sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=auto", "train.max_steps=1",
+                             f"train.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: log.wandb_mode=auto")]
+    assert warnings == [f"warning: log.wandb_mode=auto: the W&B service {silent_service} did not answer within 3 s "
+                        "(timed out); logging offline (upload later with `wandb sync`)"], result.stderr[-3000:]
+    assert list((out / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("key, message", [
+    (False, r"^error: log\.wandb_mode=online needs a W&B API key \(WANDB_API_KEY, or `wandb login`\); log in, or set "
+            r"log\.wandb_mode=offline"),
+    (True, r"^error: log\.wandb_mode=online: the W&B service http://127\.0\.0\.1:\d+ did not answer within 3 s \(.*"
+           r"refused.*\); check the network \(or WANDB_BASE_URL\), or set log\.wandb_mode=offline"),
+], ids=["no key", "no network"])
+def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(key, message, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused at once
+    out = tmp_path / "out"
+    env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, url, key)}.items() if v}
+    if not key:
+        env.pop("WANDB_API_KEY", None)
+    result = subprocess.run([sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=online",
+                             f"train.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert_fault_line(result, message)
+    assert not out.exists()

@@ -3,10 +3,15 @@ a step-count check and the profiler."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import netrc
 import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 
 import torch
 from omegaconf import OmegaConf
@@ -16,7 +21,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune.env import is_main_process
 from finetune.meter import TIMING_KEYS
-from finetune.recipe import Config
+from finetune.recipe import Config, RecipeError
 from finetune.training import evaluation
 
 
@@ -36,24 +41,57 @@ def run_name(cfg: Config) -> str:
     return f"{recipe}-gb{cfg.train.global_batch_size}-lr{cfg.optim.lr:g}"
 
 
+WANDB_ANSWER_S = 3.0  # how long log.wandb_mode=auto/online waits for the W&B service to answer
+
+
 def has_wandb_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        return netrc.netrc().authenticators(urllib.parse.urlparse(wandb_url()).hostname or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
 
+def wandb_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+@functools.lru_cache(maxsize=4)
+def wandb_answer(url: str) -> str | None:
+    """None when the W&B service at `url` answers an HTTP request within WANDB_ANSWER_S (any status), else why not.
+    Asked once per process: every rank and call site then agrees on the mode."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=WANDB_ANSWER_S).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return f"{url} did not answer within {WANDB_ANSWER_S:g} s ({reason})"
+    return None
+
+
 def wandb_mode(cfg: Config) -> str:
-    """log.wandb_mode, with auto resolved: online when an API key is found, else offline."""
+    """log.wandb_mode, with auto resolved: online when an API key is found and the service answers, else offline."""
     if cfg.log.wandb_mode != "auto":
         return cfg.log.wandb_mode
-    return "online" if has_wandb_key() else "offline"
+    return "online" if has_wandb_key() and wandb_answer(wandb_url()) is None else "offline"
 
 
 def configure_wandb(cfg: Config) -> None:
-    """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`."""
+    """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`.
+    online without a key or an answering service is a RecipeError (nothing is written); auto falls back to offline
+    with one warning when it has a key but no answer."""
+    if cfg.log.wandb_mode == "online" and not has_wandb_key():
+        raise RecipeError("log.wandb_mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`); log in, or set "
+                          "log.wandb_mode=offline (upload later with `wandb sync`)")
+    if cfg.log.wandb_mode in ("online", "auto") and has_wandb_key() and (why := wandb_answer(wandb_url())):
+        if cfg.log.wandb_mode == "online":
+            raise RecipeError(f"log.wandb_mode=online: the W&B service {why}; check the network (or "
+                              "WANDB_BASE_URL), or set log.wandb_mode=offline (upload later with `wandb sync`)")
+        if is_main_process():
+            print(f"warning: log.wandb_mode=auto: the W&B service {why}; logging offline (upload later with "
+                  "`wandb sync`)", file=sys.stderr, flush=True)
     mode = wandb_mode(cfg)
     os.environ["WANDB_MODE"] = mode
     if mode == "disabled":
