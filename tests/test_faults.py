@@ -22,6 +22,7 @@ from tests.test_resume import assert_same_run
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
+TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
 STREAM = [*BASE, "data.streaming=true", "train.max_steps=6"]  # 2 optimizer steps per pass: 3 passes
 
 
@@ -380,3 +381,84 @@ def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(
                             timeout=600)
     assert_fault_line(result, message)
     assert not out.exists()
+
+
+# ---- 6. signals: during an evaluation, and to a launcher ----
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_step(tmp_path):
+    held = chat_rows(tmp_path / "eval.jsonl", [f"held-out answer {k} " * 6 for k in range(1200)])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "finetune/train.py", *BASE, "train.max_steps=4", f"train.output_dir={out}",
+           f"eval.source={held}", "eval.every_steps=2", "eval.micro_batch_size=4", "eval.samples=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 2/4" in line:  # the evaluation after step 2 (300 batches) starts now
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
+    stdout = "".join(lines)
+    assert "stopped by SIGTERM after optimizer step 2 of 4" in stdout, stdout[-3000:]  # not after step 3
+    assert checkpoint_names(out) == ["checkpoint-2"]
+    history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "eval_loss" in e] == [0]  # the evaluation before step 1, not the cut one
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp_path):
+    """accelerate's one-process launcher exits at once on SIGTERM; the training process it started learns of it
+    (PR_SET_PDEATHSIG), finishes its step and saves instead of training on unseen."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=1", "--num_machines=1",
+           "--mixed_precision=no", "--dynamo_backend=no", "finetune/train.py", *BASE, "train.max_steps=40",
+           f"train.output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 2/40" in line:
+            proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
+            break
+    proc.wait(timeout=60)
+    lines += proc.stdout.readlines()  # until the training process (which holds the pipe too) has ended
+    stdout = "".join(lines)
+    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
+    assert stopped, stdout[-3000:]
+    assert checkpoint_names(out) == [f"checkpoint-{stopped.group(1)}"] and int(stopped.group(1)) < 40
+    assert not (out / "model.safetensors").exists()  # stopped, not trained to the end
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.distributed
+@pytest.mark.parametrize("to_group", [False, True], ids=["torchrun", "its process group"])
+def test_sigterm_to_torchrun_with_two_ranks_saves_and_the_launcher_code_is_documented(to_group, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune/train.py",
+           *BASE, "train.max_steps=40", f"train.output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 2/40" in line:
+            if to_group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    code = proc.wait(timeout=120)
+    stdout = "".join(lines)
+    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
+    assert stopped, stdout[-3000:] + proc.stderr.read()[-3000:]
+    saved = out / f"checkpoint-{stopped.group(1)}"
+    assert checkpoint_names(out) == [saved.name]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in saved.iterdir()}
+    assert code == TORCHRUN_SIGTERM_EXIT, code  # torchrun's own code after its ranks saved and exited 0 (README)

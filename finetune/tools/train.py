@@ -44,7 +44,8 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
 
             resolve_auto_micro_batch(cfg)
         record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
-        trainer = build(cfg, callbacks=(*callbacks, record), stop_request=stop)
+        ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
+        trainer = build(cfg, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)
         lifecycle.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
         if line := lifecycle.start_line(cfg.train, resume):

@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
-from finetune.training import checkpoints, evaluation, resume_checks
+from finetune.training import checkpoints, evaluation, lifecycle, resume_checks
 
 logger = logging.get_logger(__name__)
 
@@ -213,7 +213,15 @@ class RecipeTrainer(TokenNormTrainer):
         finally:
             self.data_collator = collator
 
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        except lifecycle.EvaluationStopped:  # a stop request mid-evaluation: nothing logged, the checkpoint comes next
+            return {}
+
     def _determine_best_metric(self, metrics, trial) -> bool:
+        if not metrics:  # an evaluation a stop request ended
+            return False
         new_best = super()._determine_best_metric(metrics, trial)
         if new_best and self.eval_setup is not None:
             self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
