@@ -462,3 +462,27 @@ def test_sigterm_to_torchrun_with_two_ranks_saves_and_the_launcher_code_is_docum
     assert checkpoint_names(out) == [saved.name]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in saved.iterdir()}
     assert code == TORCHRUN_SIGTERM_EXIT, code  # torchrun's own code after its ranks saved and exited 0 (README)
+
+
+# ---- 7. a resume reads as the same run: no tied-head warning, whole-run figures ----
+
+
+def train_loss(folder: Path) -> float:
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    return next(e["train_loss"] for e in reversed(history) if "train_loss" in e)
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.parametrize("start", [2, 4], ids=["mid-run", "nothing left"])
+def test_a_resumed_run_reports_the_whole_runs_train_loss_and_no_missing_tied_head(start, four_steps, tmp_path):
+    out = from_checkpoint(four_steps, start, tmp_path)
+    result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "missing keys" not in result.stderr and "lm_head" not in result.stderr
+    assert train_loss(out) == train_loss(four_steps) > 0  # bitwise: the same sum in the same order
+    table = result.stdout[result.stdout.index("done:"):]
+    assert re.search(rf"optimizer steps +4 \(resumed after step {start}\)", table), table
+    assert re.search(rf"train loss +{train_loss(four_steps):.4f} \(mean over all 4 steps\)", table), table
+    if start == 2:
+        assert re.search(r"real tokens +[\d,]+ \([\d,]+ targets\) in this process \(steps 3-4\)", table), table

@@ -34,7 +34,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
     """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
     fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
-    from finetune.training import checkpoints, lifecycle, output_dir, reporting, resume_checks
+    from finetune.training import checkpoints, lifecycle, output_dir, reporting, resume_checks, run_summary
 
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
@@ -52,7 +52,9 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
             reporting.main_print(line)
         if resume and (warning := record.resume(resume, checkpoints.checkpoint_step(resume))):
             reporting.main_print(warning)
+        start_step = checkpoints.checkpoint_step(resume) if resume else 0
         trainer.train(resume_from_checkpoint=resume)
+        run_summary.record_whole_run_loss(trainer, start_step)  # train_loss over the run's steps, not this process's
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
             lifecycle.leave_together(trainer)
@@ -64,11 +66,11 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
             if isinstance(callback, reporting.TimingLog):
                 texts[os.path.basename(callback.path)] = callback.text()
         lifecycle.save_final(trainer, texts if trainer.is_world_process_zero() else {})
-    figures = reporting.summary(cfg, trainer)
+    figures = run_summary.summary(cfg, trainer, start_step)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, reporting.RecipeWandbCallback):
             callback.finish(figures)
     if trainer.is_world_process_zero():
-        reporting.print_summary(cfg, trainer, figures)
+        run_summary.print_summary(cfg, trainer, figures)
     lifecycle.leave_together(trainer)
     return 0

@@ -152,6 +152,12 @@ def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tupl
     return {k: tuple(v.shape) for k, v in state.items()}, aliases
 
 
+def tied_missing(model: torch.nn.Module, missing: list[str]) -> list[str]:
+    """`missing` without tied names (lm_head.weight = embed_tokens.weight is saved once, loaded through either)."""
+    _, aliases = _model_shapes(model, adapter=False)
+    return [k for k in missing if not (aliases.get(k, {k}) - set(missing))]
+
+
 def check_same_model(checkpoint: str, model: torch.nn.Module) -> None:
     """One clear error when a checkpoint's weights do not fit this model (another architecture, size or LoRA set-up)."""
     saved = _saved_shapes(checkpoint)

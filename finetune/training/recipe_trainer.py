@@ -111,6 +111,11 @@ class RecipeTrainer(TokenNormTrainer):
                 raise RecipeError(f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
                                   "from an earlier checkpoint-N") from None
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # a tied head (lm_head.weight, embed_tokens.weight) is saved once: not a missing key of the checkpoint
+        missing = checkpoints.tied_missing(self.model, load_result.missing_keys)
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _rng_file(self) -> str:
         return checkpoints.rng_file(self.args.world_size, self.args.process_index)
 

@@ -1,5 +1,5 @@
-"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar, end-of-run table),
-a step-count check and the profiler."""
+"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar), a step-count check
+and the profiler; the end-of-run figures and table are run_summary.py's."""
 
 from __future__ import annotations
 
@@ -240,38 +240,3 @@ def callbacks(cfg: Config) -> list[TrainerCallback]:
     if cfg.train.profile_steps:
         added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
     return added
-
-
-def summary(cfg: Config, trainer) -> dict:
-    """The end-of-run figures: steps, tokens, wall time, tokens/s, final loss, peak memory."""
-    steps = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    runtime = next((e["train_runtime"] for e in reversed(trainer.state.log_history) if "train_runtime" in e), None)
-    totals = trainer.meter.run_totals
-    return {
-        "optimizer_steps": trainer.state.global_step,
-        "real_tokens": totals["real_tokens"],
-        "label_tokens": totals["label_tokens"],
-        "wall_time_s": runtime,
-        "real_tokens_per_s": totals["real_tokens"] / runtime if runtime else None,
-        "final_loss": steps[-1]["loss"] if steps else None,
-        "peak_mem_mb": trainer.meter.peak_mem_mb or None,  # timing figures stay out of the log history
-        **evaluation.summary(trainer),
-    }
-
-
-def print_summary(cfg: Config, trainer, figures: dict) -> None:
-    rows = [
-        ("optimizer steps", f"{figures['optimizer_steps']}"),
-        ("real tokens", f"{figures['real_tokens']:,} ({figures['label_tokens']:,} targets)"),
-        ("wall time", f"{figures['wall_time_s']:.1f} s" if figures["wall_time_s"] else "n/a"),
-        ("tokens/s", f"{figures['real_tokens_per_s']:.0f}" if figures["real_tokens_per_s"] else "n/a"),
-        ("final loss", f"{figures['final_loss']:.4f}" if figures["final_loss"] is not None else "n/a"),
-        ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
-        *evaluation.summary_rows(figures),
-        ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
-    ]
-    run, mode = wandb_run_dir(cfg), wandb_mode(cfg)
-    if run:
-        rows.append(("W&B run", f"{run}" + (f"  (upload later: wandb sync {run})" if mode == "offline" else "")))
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(["done:"] + [f"  {name:<{width}}  {value}" for name, value in rows]), flush=True)
