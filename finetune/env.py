@@ -76,12 +76,12 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-WRITE_ADVICE = {  # errno of a failed write → what to do; the machine's fault, not the recipe's
+WRITE_ADVICE = {  # errno of a failed write (or read) → what to do; the machine's fault, not the recipe's
     errno.ENOSPC: "the disk is full; free space there or choose another train.output_dir, then resume",
     errno.EDQUOT: "your disk quota is used up; free space within it or choose a folder on another file system",
     errno.EROFS: "the file system is read-only (a disk error can remount it so); choose a writable folder",
-    errno.EACCES: "no permission to write there; choose a folder you can write to",
-    errno.EPERM: "no permission to write there; choose a folder you can write to",
+    errno.EACCES: "no permission for it; fix its permissions or choose a folder you can write to",
+    errno.EPERM: "no permission for it; fix its permissions or choose a folder you can write to",
     errno.EFBIG: "a file grew past this process's file size limit (ulimit -f); raise it (ulimit -f unlimited)",
     errno.EIO: "the disk reported an I/O error; check it (dmesg) before resuming from the last checkpoint",
 }

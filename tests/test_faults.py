@@ -171,7 +171,7 @@ def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path):
      r"^/x/optimizer\.pt: No space left on device; the disk is full"),
     (OSError(errno.EDQUOT, "Disk quota exceeded", "/x/a"), r"Disk quota exceeded; your disk quota is used up"),
     (OSError(errno.EROFS, "Read-only file system", "/x/a"), r"Read-only file system; the file system is read-only"),
-    (OSError(errno.EACCES, "Permission denied", "/x/a"), r"Permission denied; no permission to write there"),
+    (OSError(errno.EACCES, "Permission denied", "/x/a"), r"Permission denied; no permission for it; fix"),
     (MemoryError(), r"^out of host memory \(MemoryError\)"),
     (RuntimeError("Connection closed by peer [127.0.0.1]:41234"), r"^lost another rank \(Connection closed by peer "),
 ])
