@@ -3,15 +3,18 @@
 Launchers describe each rank through environment variables, known before any process group exists: torchrun and
 `accelerate launch` set WORLD_SIZE, RANK, LOCAL_RANK and LOCAL_WORLD_SIZE; every `accelerate launch` sets
 ACCELERATE_MIXED_PRECISION, torchrun (also under accelerate's multi-process launch) TORCHELASTIC_RUN_ID.
-`exit_process` ends a launched rank without tearing its objects down. Imports no torch: the entry points use this
-module before the recipe is known good.
+`exit_process` ends a launched rank without tearing its objects down; `write_advice` and `why_writes_fail` say what a
+failed write means on this machine (the disk, not the recipe). Imports no torch: the entry points use this module
+before the recipe is known good.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import gc
 import os
+import resource
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,3 +74,38 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+WRITE_ADVICE = {  # errno of a failed write (or read) → what to do; the machine's fault, not the recipe's
+    errno.ENOSPC: "the disk is full; free space there or choose another train.output_dir, then resume",
+    errno.EDQUOT: "your disk quota is used up; free space within it or choose a folder on another file system",
+    errno.EROFS: "the file system is read-only (a disk error can remount it so); choose a writable folder",
+    errno.EACCES: "no permission for it; fix its permissions or choose a folder you can write to",
+    errno.EPERM: "no permission for it; fix its permissions or choose a folder you can write to",
+    errno.EFBIG: "a file grew past this process's file size limit (ulimit -f); raise it (ulimit -f unlimited)",
+    errno.EIO: "the disk reported an I/O error; check it (dmesg) before resuming from the last checkpoint",
+}
+
+
+def write_advice(code: int | None) -> str:
+    return WRITE_ADVICE.get(code, "check the disk of that folder, then resume from the last checkpoint")
+
+
+def why_writes_fail(folder: str) -> int | None:
+    """The errno a write into `folder` most likely failed with, for writers that report none (torch.save's C++
+    writer): a read-only file system, no permission, a full disk, a file size limit; None when none of these holds."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        stat = os.statvfs(folder or ".")
+    except OSError:
+        return None
+    if stat.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if not os.access(folder or ".", os.W_OK):
+        return errno.EACCES
+    if stat.f_bavail * stat.f_frsize < 2**20:
+        return errno.ENOSPC
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return errno.EFBIG
+    return None

@@ -106,11 +106,13 @@ CASES = [
     ("unwritable output directory", lambda t: [f"train.output_dir={write_jsonl(t / 'a-file', [])}/out"], {},
      r"^error: train\.output_dir=\S+a-file/out: cannot write there \(Not a directory\); choose a writable folder$"),
     ("output directory full while saving", lambda t: ["train.save_steps=1"], {"limit": 2 * 2**20},
-     r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(File too large\); free disk space or choose "
-     r"another train\.output_dir \(nothing half-written was left there\)$"),
+     r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(File too large\); a file grew past this "
+     r"process's file size limit \(ulimit -f\); raise it \(ulimit -f unlimited\) \(nothing half-written was left "
+     r"there\)$"),
     ("output directory full at the final save", lambda t: [], {"limit": 2 * 2**20},
-     r"^error: train\.output_dir=\S+: writing the final model failed \(File too large\); free disk space or choose "
-     r"another train\.output_dir \(nothing half-written was left there\)$"),
+     r"^error: train\.output_dir=\S+: writing the final model failed \(File too large\); a file grew past this "
+     r"process's file size limit \(ulimit -f\); raise it \(ulimit -f unlimited\) \(nothing half-written was left "
+     r"there\)$"),
     ("checkpoint of another model", lambda t: [f"train.resume_from={other_model_checkpoint(t)}"], {},
      r"^error: train\.resume_from: \S+checkpoint-7/model\.safetensors is from a different model "
      r"\(model\.embed_tokens\.weight has shape \[10, 4\] there but \[49152, 64\] in this model\); resume with the "

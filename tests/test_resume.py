@@ -110,6 +110,7 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
     assert np.array_equal(keys, rng["numpy"]["keys"].numpy().astype(np.uint32))
     np.random.set_state(before)
     state = json.loads((folder / checkpoints.STATE_FILE).read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", state["data_position"].pop("data_fingerprint"))
     assert state == {"nonfinite_skipped": 0, "data_position": {"dataset_items": 16, "seed": 0, "ranks": 1,
                                                                "micro_batches_per_step": 2, "items_per_micro_batch": 4}}
 

@@ -170,7 +170,7 @@ def load_datasets(cfg: Config, tokenizer, vision: bool) -> tuple[Any, DataReport
     data, ev = cfg.data, cfg.eval
     load = load_vision_dataset if vision else load_sft_dataset
     if data.streaming:
-        dataset, report = stream_sft_dataset(data, tokenizer, cfg.train.seed)
+        dataset, report = stream_sft_dataset(data, tokenizer, cfg.train.seed, endless=True)
     elif ev.fraction:
         read = DataReport(source=data.source)
         records = vision_records(data, read) if vision else read_records(data, read)

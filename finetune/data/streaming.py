@@ -6,6 +6,12 @@ Files are read line by line (jsonl), batch by batch (parquet) or row by row (csv
 so a streamed row is exactly the row `load_sft_dataset` would give. Streaming has no length up front: the run needs
 `train.max_steps`, and the batching modes that sort or budget by length (length_grouped, token_budget, budgeted
 packing) do not apply.
+
+To the Trainer a stream is one pass that never ends: the source is read again and again (pass k shuffled by train.seed
+and k), so an optimizer window never straddles an epoch end and the position of a checkpoint is global_step ×
+accumulation micro-batches from the start, which a resumed run reads again and skips (the Trainer's own data skip;
+tokenizing is far cheaper than training the same rows). Nothing is carried between micro-batches (packed rows are
+packed within one micro-batch), so nothing else needs saving.
 """
 
 from __future__ import annotations
@@ -97,10 +103,11 @@ class StreamingSFT(torch.utils.data.IterableDataset):
     """Yields {"input_ids", "labels"} rows as `load_sft_dataset` builds them; each epoch reads the source again.
 
     Under several dataloader workers each worker takes every n-th row, so no row is read twice.
+    `endless`: pass after pass (what training reads: see the module).
     """
 
-    def __init__(self, data: DataConfig, tokenizer, fmt: str, seed: int = 0):
-        self.data, self.tokenizer, self.fmt, self.seed = data, tokenizer, fmt, seed
+    def __init__(self, data: DataConfig, tokenizer, fmt: str, seed: int = 0, endless: bool = False):
+        self.data, self.tokenizer, self.fmt, self.seed, self.endless = data, tokenizer, fmt, seed, endless
         self.epoch = 0
         self.report = DataReport(source=data.source, format=fmt)  # counts of the current pass
 
@@ -108,8 +115,15 @@ class StreamingSFT(torch.utils.data.IterableDataset):
         self.epoch = epoch
 
     def __iter__(self):
-        """Rows in a buffered random order, deterministic in (seed, epoch)."""
-        rng = random.Random(self.seed * 100_003 + self.epoch)
+        """One pass (`endless`: pass after pass, never ending; see the module); stream_sft_dataset made sure a pass
+        has rows."""
+        passes = itertools.count(self.epoch) if self.endless else [self.epoch]
+        for pass_index in passes:
+            yield from self.shuffled(pass_index)
+
+    def shuffled(self, pass_index: int):
+        """One pass's rows in a buffered random order, deterministic in (seed, pass)."""
+        rng = random.Random(self.seed * 100_003 + pass_index)
         buffer = []
         for row in self.rows():
             buffer.append(row)
@@ -141,15 +155,17 @@ class StreamingSFT(torch.utils.data.IterableDataset):
                 yield {"input_ids": kept[0], "labels": kept[1]}
 
 
-def stream_sft_dataset(data: DataConfig, tokenizer, seed: int = 0) -> tuple[StreamingSFT, DataReport]:
-    """The streamed dataset and a report of its first rows (the format; counts grow as training reads)."""
+def stream_sft_dataset(data: DataConfig, tokenizer, seed: int = 0, endless: bool = False
+                       ) -> tuple[StreamingSFT, DataReport]:
+    """The streamed dataset and a report of its first rows (the format; counts grow as training reads); `endless`:
+    what training reads, pass after pass (see the module)."""
     report = DataReport(source=data.source, streamed=True)
     peek = list(itertools.islice(stream_records(data, report), PEEK_ROWS))
     if not peek:
         skipped = f" ({report.bad_rows_skipped:,} bad rows skipped; data.on_bad_row=error names the first)"
         raise RecipeError(f"data.source={data.source}: no rows to read{skipped if report.bad_rows_skipped else ''}")
     fmt = report.format = detect_format(data.format, peek, data.source)
-    dataset = StreamingSFT(data, tokenizer, fmt, seed)
+    dataset = StreamingSFT(data, tokenizer, fmt, seed, endless)
     if next(dataset.rows(), None) is None and len(peek) < PEEK_ROWS:
         raise RecipeError(f"data.source={data.source}: no rows left ({dataset.report.summary()})")
     return dataset, report

@@ -131,8 +131,8 @@ class ScheduleConfig:
 
 @dataclass
 class LogConfig:
-    # auto: online when a W&B API key is found (WANDB_API_KEY or ~/.netrc), else offline (runs land in
-    # train.output_dir/wandb; `wandb sync` uploads them later)
+    # auto: online when a W&B API key is found (WANDB_API_KEY or ~/.netrc) and the service answers within 3 s, else
+    # offline (runs land in train.output_dir/wandb; `wandb sync` uploads them later); online: an error without either
     wandb_mode: str = one_of("auto", "offline", "online", "disabled")
     wandb_project: str = "finetune"
     run_name: str | None = None

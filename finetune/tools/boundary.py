@@ -2,9 +2,13 @@
 one `error:` line and exit code 2 (RecipeError, raised where the problem enters: a key, a file, a row); anything
 else is a bug in finetune and keeps its traceback, with exit code INTERNAL_ERROR.
 
-Exit codes: 0 done; 1 verify's check failed; 2 a recipe, data, model, checkpoint or launch problem (one line, nothing
-written); 3 stopped on a non-finite value (train.on_nonfinite=stop); 70 an internal error (a bug: please report it
-with the traceback).
+Faults of the machine or of a peer rank are not bugs either: a write that failed (ENOSPC, EDQUOT, EROFS, EACCES,
+EFBIG, EIO: advice matching the errno), host or device memory running out, a peer rank that died (named by the
+ranks that survive it, each printing its own line) are one `error:` line and exit code 2.
+
+Exit codes: 0 done; 1 verify's check failed; 2 a recipe, data, model, checkpoint, launch or machine problem (one
+line, nothing written); 3 stopped on a non-finite value (train.on_nonfinite=stop); 70 an internal error (a bug: please
+report it with the traceback).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from finetune.env import is_main_process
+from finetune.env import WRITE_ADVICE, is_main_process, rank, world_size, write_advice
 from finetune.recipe import RecipeError
 
 INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE: neither 1 (verify's failed check) nor 2 (the user's input)
@@ -31,10 +35,13 @@ def _close_progress_bars() -> None:
             pass
 
 
-def print_error(message: str) -> None:
-    """`error: …` on a line of its own, on the main process only (every rank meets the same recipe)."""
-    if not is_main_process():
+def print_error(message: str, every_rank: bool = False) -> None:
+    """`error: …` on a line of its own, on the main process only (every rank meets the same recipe), or on
+    `every_rank` (a fault one rank meets, such as its peer dying)."""
+    if not (every_rank or is_main_process()):
         return
+    if every_rank and world_size() > 1:
+        message = f"rank {rank()}: {message}"
     _close_progress_bars()
     sys.stdout.flush()
     line = f"error: {message}"
@@ -51,8 +58,36 @@ def _own_line(message: str) -> str:
     return match.group(1) if match else message.strip().splitlines()[-1]
 
 
-def _out_of_memory(error: BaseException) -> bool:
-    return type(error).__name__ == "OutOfMemoryError"  # torch.OutOfMemoryError, without importing torch here
+HOST_OOM = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)|std::bad_alloc")
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
+                       r"remote process exited or there was a network error")
+DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def machine_fault(error: BaseException) -> str | None:
+    """The `error:` line's message for a fault of the machine or a peer (every rank that meets one prints it)."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        return (f"out of device memory ({first[:200]}); lower train.micro_batch_size (or set it to auto) or "
+                "data.max_length, or set train.gradient_checkpointing=true")
+    if isinstance(error, MemoryError) or HOST_OOM.search(first):
+        return (f"out of host memory ({first[:200] or 'MemoryError'}); lower train.micro_batch_size, "
+                "data.max_length or data.num_workers, run fewer ranks per machine, or use one with more memory")
+    if isinstance(error, OSError) and error.errno is not None and error.errno in WRITE_ADVICE:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror or first}; {write_advice(error.errno)}"
+    from finetune.training.write_faults import write_failure
+
+    failure = write_failure(error) if isinstance(error, RuntimeError) else None
+    if failure is not None:  # a torch or safetensors file outside a staged save
+        return f"writing a file failed ({failure.why}); {write_advice(failure.code)}"
+    if type(error).__name__ in DIST_ERRORS or (isinstance(error, RuntimeError) and PEER_LOST.search(first)):
+        peer = f"rank {1 - rank()}" if world_size() == 2 else "another rank"
+        said = re.sub(r"^\[[^\]]*\] *", "", first).split(". ")[0][:160]  # gloo: "[pair.cc:537] Read error …"
+        return (f"lost {peer} ({said}): {peer} stopped first (killed, out of memory, or its "
+                "machine failed); its own error line or the launcher's report says why. Resume with "
+                "train.resume_from=auto")
+    return None
 
 
 def run_command(body: Callable[[], int]) -> int:
@@ -63,10 +98,9 @@ def run_command(body: Callable[[], int]) -> int:
         print_error(_own_line(str(e)))
         return getattr(e, "exit_code", 2)  # 3: training stopped on a non-finite value (train.on_nonfinite=stop)
     except Exception as e:
-        if _out_of_memory(e):
-            first = str(e).splitlines()[0] if str(e) else ""
-            print_error(f"out of memory ({first[:200]}); lower train.micro_batch_size (or set it to auto) or "
-                        "data.max_length, or set train.gradient_checkpointing=true")
+        fault = machine_fault(e)
+        if fault is not None:
+            print_error(_own_line(fault), every_rank=True)
             return 2
         _close_progress_bars()
         traceback.print_exc()

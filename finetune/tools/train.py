@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from finetune.recipe import Config, load_config, to_yaml
+from finetune.recipe import Config, load_config
 from finetune.tools.boundary import run_command
 from finetune.training import distributed
 
@@ -34,7 +34,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
     """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
     fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
-    from finetune.training import checkpoints, lifecycle, output_dir, reporting
+    from finetune.training import checkpoints, lifecycle, output_dir, reporting, resume_checks, run_summary
 
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
@@ -43,28 +43,34 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
             from finetune.tools.plan import resolve_auto_micro_batch
 
             resolve_auto_micro_batch(cfg)
-        trainer = build(cfg, callbacks=callbacks, stop_request=stop)
+        record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
+        ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
+        trainer = build(cfg, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)
         lifecycle.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
         if line := lifecycle.start_line(cfg.train, resume):
             reporting.main_print(line)
+        if resume and (warning := record.resume(resume, checkpoints.checkpoint_step(resume))):
+            reporting.main_print(warning)
+        start_step = checkpoints.checkpoint_step(resume) if resume else 0
         trainer.train(resume_from_checkpoint=resume)
+        run_summary.record_whole_run_loss(trainer, start_step)  # train_loss over the run's steps, not this process's
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
             lifecycle.leave_together(trainer)
             return 0
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
-        texts = {"recipe.yaml": to_yaml(cfg)}
+        texts = {"recipe.yaml": record.text()}  # what trained: this recipe, after what each resume changed
         for callback in trainer.callback_handler.callbacks:
             if isinstance(callback, reporting.TimingLog):
                 texts[os.path.basename(callback.path)] = callback.text()
         lifecycle.save_final(trainer, texts if trainer.is_world_process_zero() else {})
-    figures = reporting.summary(cfg, trainer)
+    figures = run_summary.summary(cfg, trainer, start_step)
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, reporting.RecipeWandbCallback):
             callback.finish(figures)
     if trainer.is_world_process_zero():
-        reporting.print_summary(cfg, trainer, figures)
+        run_summary.print_summary(cfg, trainer, figures)
     lifecycle.leave_together(trainer)
     return 0

@@ -3,11 +3,8 @@
 A checkpoint-N (`save_atomically`, used by `RecipeTrainer._save_checkpoint`) holds the weights (model.safetensors, or
 adapter_model.safetensors), optimizer.pt, scheduler.pt, scaler.pt (fp16), rng_state[_RANK].pth (Python, NumPy, torch,
 CUDA), trainer_state.json (global step, log history), checkpoint_files.json (each file's size, checked at resume:
-checkpoint_files.py) and finetune_state.json (our counters; last). The data position needs no file: the sampler is
-seeded by train.seed and the epoch, budgeted micro-batches are formed from train.seed (finetune/data/batching.py), and
-a checkpoint is only taken between optimizer steps, so global_step × accumulation micro-batches into the epoch is the
-position (the Trainer skips them). Every .pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's
-training_args.bin (a pickle) is never loaded."""
+checkpoint_files.py) and finetune_state.json (our counters and the data position, resume_checks.py; last). Every
+.pt/.pth loads with `torch.load(weights_only=True)`; the Trainer's training_args.bin (a pickle) is never loaded."""
 
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ import torch
 
 from finetune.recipe import RecipeError, TrainConfig
 from finetune.training import checkpoint_files
+from finetune.training.write_faults import write_error, write_failure
 
 STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
 STATE_FILE = "finetune_state.json"
@@ -99,6 +97,11 @@ def resume_path(train: TrainConfig) -> str | None:
     return resume
 
 
+def checkpoint_step(folder: str) -> int:
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        return int(json.load(f).get("global_step", 0))
+
+
 def write_state(folder: str, state: dict) -> None:
     with open(os.path.join(folder, STATE_FILE), "w") as f:
         json.dump(state, f, indent=1)
@@ -107,21 +110,6 @@ def write_state(folder: str, state: dict) -> None:
 def read_state(folder: str) -> dict:
     with open(os.path.join(folder, STATE_FILE)) as f:
         return json.load(f)
-
-
-def write_failure(error: Exception) -> str | None:
-    """Why a save failed, if it failed to write (full disk, quota, file size limit); None for any other error."""
-    if isinstance(error, OSError):
-        return error.strerror or type(error).__name__
-    match = re.search(r"I/O error: (.+?)(?: \(os error \d+\))?$", str(error).splitlines()[0] if str(error) else "")
-    return match.group(1) if match else None  # safetensors reports write errors as SafetensorError
-
-
-def write_error(output_dir: str, what: str, why: str) -> RecipeError:
-    return RecipeError(
-        f"train.output_dir={output_dir}: writing {what} failed ({why}); free disk space or choose another "
-        "train.output_dir (nothing half-written was left there)"
-    )
 
 
 # ---- the same model ----
@@ -162,6 +150,12 @@ def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tupl
             groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
     aliases = {name: group for group in groups.values() for name in group}
     return {k: tuple(v.shape) for k, v in state.items()}, aliases
+
+
+def tied_missing(model: torch.nn.Module, missing: list[str]) -> list[str]:
+    """`missing` without tied names (lm_head.weight = embed_tokens.weight is saved once, loaded through either)."""
+    _, aliases = _model_shapes(model, adapter=False)
+    return [k for k in missing if not (aliases.get(k, {k}) - set(missing))]
 
 
 def check_same_model(checkpoint: str, model: torch.nn.Module) -> None:
@@ -253,14 +247,21 @@ def save_atomically(trainer, save, model, trial) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
         if trainer.args.should_save:
+            for callback in trainer.callback_handler.callbacks:  # recipe.yaml, timings.jsonl: files of the run
+                for file_name, text in getattr(callback, "files_for_checkpoint", dict)().items():
+                    with open(os.path.join(staged, file_name), "w") as f:
+                        f.write(text)
             checkpoint_files.record_sizes(staged)  # what resume checks each file against
             write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
             commit(staged, final)
-    except Exception as e:  # e.g. the disk is full: no half-written checkpoint stays behind
-        if write_failure(e) is None:
-            raise
-        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
-        raise write_error(run_dir, name, write_failure(e)) from None
+    except BaseException as e:  # a full disk, a bug, Ctrl-C: no half-written checkpoint stays behind
+        failure = write_failure(e, staged)
+        shutil.rmtree(staged, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(staging_root(run_dir))
+        if failure is not None:
+            raise write_error(run_dir, name, failure) from None
+        raise
     finally:
         trainer.staging = False
     if trainer.args.should_save:

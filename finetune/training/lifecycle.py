@@ -5,6 +5,7 @@ SIGTERM/SIGINT turned into "finish the step, save, say how to resume", and the f
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import shutil
@@ -14,6 +15,7 @@ import threading
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from finetune.env import is_main_process, launch_kind, world_size
 from finetune.recipe import RecipeError, TrainConfig
@@ -93,11 +95,12 @@ def save_final(trainer, texts: dict[str, str]) -> None:
             for folder, _, files in os.walk(staged):  # on disk before the swap: a power loss never leaves empty files
                 for name in files:
                     fsync(os.path.join(folder, name))
-    except Exception as e:
-        if write_failure(e) is None:
-            raise
+    except BaseException as e:  # whatever stopped it: nothing half-written stays behind
+        failure = write_failure(e, str(staged))
         shutil.rmtree(staged, ignore_errors=True)
-        raise write_error(out, "the final model", write_failure(e)) from None
+        if failure is None:
+            raise
+        raise write_error(out, "the final model", failure) from None
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
         output_dir.swap_in(out, staged)
@@ -127,6 +130,8 @@ class StopRequest:
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        if launch_kind() != "plain":
+            signal_when_the_launcher_dies()
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -155,6 +160,43 @@ class StopRequest:
         finally:
             if main_thread:
                 self.uninstall()
+
+
+def signal_when_the_launcher_dies() -> None:
+    """SIGTERM to this process when its launcher dies (Linux PR_SET_PDEATHSIG): `accelerate launch` with one process
+    exits at once on SIGTERM, and torchrun killed with -9 leaves its ranks behind; they save and stop instead of
+    training on unseen. Only under a launcher: a plain run outlives the shell that started it (nohup)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request: the kernel will not send it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class EvaluationStopped(Exception):
+    """A stop request ended an evaluation at a batch: it is not logged; RecipeTrainer.evaluate returns no figures and
+    the Trainer saves the checkpoint next."""
+
+
+class StopDuringEvaluation(TrainerCallback):
+    """Ends a running evaluation (before its samples) at the next batch when a stop was requested on any rank (all
+    ranks agree once per eval batch when there are several), so the checkpoint is written in seconds, not after the
+    whole eval set."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        requested = self.stop.requested
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and world_size() > 1:
+            flag = torch.tensor([int(requested)], device=args.device)
+            torch.distributed.all_reduce(flag)
+            requested = bool(flag.item())
+        if requested and state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = True
+            raise EvaluationStopped
 
 
 def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:

@@ -19,13 +19,9 @@ from transformers.utils import logging
 
 from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
-from finetune.training import checkpoints, distributed, evaluation
+from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
 
 logger = logging.get_logger(__name__)
-# What each entry of a checkpoint's data position comes from, in recipe keys
-DATA_POSITION_KEYS = {"dataset_items": "data.source/data.limit", "seed": "train.seed", "ranks": "the number of ranks",
-                      "micro_batches_per_step": "train.global_batch_size (or global_batch_tokens)",
-                      "items_per_micro_batch": "train.micro_batch_size"}
 
 
 class NonFiniteError(RecipeError):
@@ -117,6 +113,11 @@ class RecipeTrainer(TokenNormTrainer):
                 raise RecipeError(f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
                                   "from an earlier checkpoint-N") from None
 
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # a tied head (lm_head.weight, embed_tokens.weight) is saved once: not a missing key of the checkpoint
+        missing = checkpoints.tied_missing(self.model, load_result.missing_keys)
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
     def _rng_file(self) -> str:
         return checkpoints.rng_file(self.args.world_size, self.args.process_index)
 
@@ -142,9 +143,9 @@ class RecipeTrainer(TokenNormTrainer):
         # The Trainer skips global_step × accumulation micro-batches into the epoch: the same position only if these
         # agree (another data.limit, seed or number of ranks resumes somewhere else, silently).
         saved, now = state.get("data_position", {}), self._data_position()
-        changed = [f"{k} {saved[k]} → {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        changed = resume_checks.position_changes(saved, now)
         if changed and self.data_order_change != "allow":
-            keys = ", ".join(DATA_POSITION_KEYS[k] for k in now if k in saved and saved[k] != now[k])
+            keys = resume_checks.changed_keys(saved, now)
             raise RecipeError(
                 f"train.resume_from: resuming with {', '.join(changed)} would train on another data order and position "
                 f"than the run that wrote the checkpoint; set {keys} as that run had them, or set "
@@ -155,9 +156,7 @@ class RecipeTrainer(TokenNormTrainer):
                            "wrote the checkpoint")
 
     def _data_position(self) -> dict:
-        return {"dataset_items": len(self.train_dataset), "seed": self.args.seed, "ranks": self.args.world_size,
-                "micro_batches_per_step": self.args.gradient_accumulation_steps,
-                "items_per_micro_batch": self.args.per_device_train_batch_size}
+        return resume_checks.data_position(self)  # len() of a stream: it has none
 
     # ---- once per optimizer step: non-finite values, stop requests ----
 
@@ -248,7 +247,15 @@ class RecipeTrainer(TokenNormTrainer):
         finally:
             self.data_collator = collator
 
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        except lifecycle.EvaluationStopped:  # a stop request mid-evaluation: nothing logged, the checkpoint comes next
+            return {}
+
     def _determine_best_metric(self, metrics, trial) -> bool:
+        if not metrics:  # an evaluation a stop request ended
+            return False
         new_best = super()._determine_best_metric(metrics, trial)
         if new_best and self.eval_setup is not None:
             self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps

@@ -1,12 +1,17 @@
-"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar, end-of-run table),
-a step-count check and the profiler."""
+"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar), a step-count check
+and the profiler; the end-of-run figures and table are run_summary.py's."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import netrc
 import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 
 import torch
 from omegaconf import OmegaConf
@@ -16,7 +21,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune.env import is_main_process
 from finetune.meter import TIMING_KEYS
-from finetune.recipe import Config
+from finetune.recipe import Config, RecipeError
 from finetune.training import evaluation
 
 
@@ -36,24 +41,57 @@ def run_name(cfg: Config) -> str:
     return f"{recipe}-gb{cfg.train.global_batch_size}-lr{cfg.optim.lr:g}"
 
 
+WANDB_ANSWER_S = 3.0  # how long log.wandb_mode=auto/online waits for the W&B service to answer
+
+
 def has_wandb_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
+        return netrc.netrc().authenticators(urllib.parse.urlparse(wandb_url()).hostname or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
 
+def wandb_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+@functools.lru_cache(maxsize=4)
+def wandb_answer(url: str) -> str | None:
+    """None when the W&B service at `url` answers an HTTP request within WANDB_ANSWER_S (any status), else why not.
+    Asked once per process: every rank and call site then agrees on the mode."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=WANDB_ANSWER_S).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return f"{url} did not answer within {WANDB_ANSWER_S:g} s ({reason})"
+    return None
+
+
 def wandb_mode(cfg: Config) -> str:
-    """log.wandb_mode, with auto resolved: online when an API key is found, else offline."""
+    """log.wandb_mode, with auto resolved: online when an API key is found and the service answers, else offline."""
     if cfg.log.wandb_mode != "auto":
         return cfg.log.wandb_mode
-    return "online" if has_wandb_key() else "offline"
+    return "online" if has_wandb_key() and wandb_answer(wandb_url()) is None else "offline"
 
 
 def configure_wandb(cfg: Config) -> None:
-    """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`."""
+    """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`.
+    online without a key or an answering service is a RecipeError (nothing is written); auto falls back to offline
+    with one warning when it has a key but no answer."""
+    if cfg.log.wandb_mode == "online" and not has_wandb_key():
+        raise RecipeError("log.wandb_mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`); log in, or set "
+                          "log.wandb_mode=offline (upload later with `wandb sync`)")
+    if cfg.log.wandb_mode in ("online", "auto") and has_wandb_key() and (why := wandb_answer(wandb_url())):
+        if cfg.log.wandb_mode == "online":
+            raise RecipeError(f"log.wandb_mode=online: the W&B service {why}; check the network (or "
+                              "WANDB_BASE_URL), or set log.wandb_mode=offline (upload later with `wandb sync`)")
+        if is_main_process():
+            print(f"warning: log.wandb_mode=auto: the W&B service {why}; logging offline (upload later with "
+                  "`wandb sync`)", file=sys.stderr, flush=True)
     mode = wandb_mode(cfg)
     os.environ["WANDB_MODE"] = mode
     if mode == "disabled":
@@ -139,13 +177,8 @@ class TimingLog(TrainerCallback):
         if state.is_world_process_zero and figures:
             self.lines.append(json.dumps({"step": state.global_step, **figures}) + "\n")
 
-    def on_save(self, args, state, control, **kwargs):
-        folder = os.path.dirname(self.checkpoint_file(state.global_step))
-        if state.is_world_process_zero and os.path.isdir(folder):
-            staged = os.path.join(folder, self.NAME + ".tmp")
-            with open(staged, "w") as f:
-                f.write(self.text())
-            os.replace(staged, os.path.join(folder, self.NAME))
+    def files_for_checkpoint(self) -> dict[str, str]:  # written into each checkpoint-N by save_atomically
+        return {self.NAME: self.text()}
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -207,38 +240,3 @@ def callbacks(cfg: Config) -> list[TrainerCallback]:
     if cfg.train.profile_steps:
         added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
     return added
-
-
-def summary(cfg: Config, trainer) -> dict:
-    """The end-of-run figures: steps, tokens, wall time, tokens/s, final loss, peak memory."""
-    steps = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    runtime = next((e["train_runtime"] for e in reversed(trainer.state.log_history) if "train_runtime" in e), None)
-    totals = trainer.meter.run_totals
-    return {
-        "optimizer_steps": trainer.state.global_step,
-        "real_tokens": totals["real_tokens"],
-        "label_tokens": totals["label_tokens"],
-        "wall_time_s": runtime,
-        "real_tokens_per_s": totals["real_tokens"] / runtime if runtime else None,
-        "final_loss": steps[-1]["loss"] if steps else None,
-        "peak_mem_mb": trainer.meter.peak_mem_mb or None,  # timing figures stay out of the log history
-        **evaluation.summary(trainer),
-    }
-
-
-def print_summary(cfg: Config, trainer, figures: dict) -> None:
-    rows = [
-        ("optimizer steps", f"{figures['optimizer_steps']}"),
-        ("real tokens", f"{figures['real_tokens']:,} ({figures['label_tokens']:,} targets)"),
-        ("wall time", f"{figures['wall_time_s']:.1f} s" if figures["wall_time_s"] else "n/a"),
-        ("tokens/s", f"{figures['real_tokens_per_s']:.0f}" if figures["real_tokens_per_s"] else "n/a"),
-        ("final loss", f"{figures['final_loss']:.4f}" if figures["final_loss"] is not None else "n/a"),
-        ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
-        *evaluation.summary_rows(figures),
-        ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
-    ]
-    run, mode = wandb_run_dir(cfg), wandb_mode(cfg)
-    if run:
-        rows.append(("W&B run", f"{run}" + (f"  (upload later: wandb sync {run})" if mode == "offline" else "")))
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(["done:"] + [f"  {name:<{width}}  {value}" for name, value in rows]), flush=True)
