@@ -352,3 +352,18 @@ def test_bf16_weights_without_a_float32_copy_are_a_warning_not_an_error(tmp_path
                         "than 1/256 of a weight are rounded away; for exact small-lr updates use model.dtype=float32 "
                         "with train.precision=bf16"]
     assert recipe().model.dtype == "float32"  # the default keeps float32 weights: no warning
+
+
+def test_resume_shapes_of_a_zero3_partitioned_model_are_the_whole_shapes():
+    """zero.Init leaves each rank an empty partition of every weight: the shapes a checkpoint is checked against are
+    the parameters' ds_shape, not the empty tensors' (a resume would be refused as another model)."""
+    from finetune.training.checkpoints import _model_shapes
+    from tests.toy import tiny_llama
+
+    model = tiny_llama()
+    whole, _ = _model_shapes(model, adapter=False)
+    for param in model.parameters():  # what deepspeed.zero.Init leaves on a rank: empty data, the full ds_shape
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    partitioned, _ = _model_shapes(model, adapter=False)
+    assert partitioned == whole

@@ -149,7 +149,9 @@ def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tupl
         if tensor.numel():
             groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
     aliases = {name: group for group in groups.values() for name in group}
-    return {k: tuple(v.shape) for k, v in state.items()}, aliases
+    # ZeRO-3 (zero.Init) leaves each rank an empty partition; the whole shape is the parameter's ds_shape
+    whole = {name: tuple(p.ds_shape) for name, p in model.named_parameters() if hasattr(p, "ds_shape")}
+    return {k: whole.get(k, tuple(v.shape)) for k, v in state.items()}, aliases
 
 
 def tied_missing(model: torch.nn.Module, missing: list[str]) -> list[str]:

@@ -85,10 +85,11 @@ def save_best(trainer) -> None:
                 json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)
             commit(staged, final)
     except Exception as e:
-        if write_failure(e) is None:
+        failure = write_failure(e, staged)  # judged from the folder before it is removed (torch.save has no errno)
+        if failure is None:
             raise
         shutil.rmtree(staging_root(out), ignore_errors=True)
-        raise write_error(out, "the best model", write_failure(e)) from None
+        raise write_error(out, "the best model", failure) from None
     if trainer.args.should_save:
         with contextlib.suppress(OSError):
             os.rmdir(staging_root(out))  # when empty
