@@ -138,7 +138,8 @@ def _saved_shapes(checkpoint: str) -> tuple[str, dict[str, tuple]] | None:
 
 
 def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tuple], dict[str, set[str]]]:
-    """({name: shape}, {name: the names sharing its storage}): a tied weight is saved under one of its names."""
+    """({name: shape}, {name: the names sharing its storage}): a tied weight is saved under one of its names; a
+    ZeRO-3 rank's empty partition has its whole shape in ds_shape."""
     if adapter:
         from peft import get_peft_model_state_dict
 
@@ -148,10 +149,8 @@ def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tupl
     for name, tensor in state.items():
         if tensor.numel():
             groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
-    aliases = {name: group for group in groups.values() for name in group}
-    # ZeRO-3 (zero.Init) leaves each rank an empty partition; the whole shape is the parameter's ds_shape
     whole = {name: tuple(p.ds_shape) for name, p in model.named_parameters() if hasattr(p, "ds_shape")}
-    return {k: whole.get(k, tuple(v.shape)) for k, v in state.items()}, aliases
+    return {k: whole.get(k, tuple(v.shape)) for k, v in state.items()}, {n: g for g in groups.values() for n in g}
 
 
 def tied_missing(model: torch.nn.Module, missing: list[str]) -> list[str]:
