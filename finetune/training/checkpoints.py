@@ -138,8 +138,7 @@ def _saved_shapes(checkpoint: str) -> tuple[str, dict[str, tuple]] | None:
 
 
 def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tuple], dict[str, set[str]]]:
-    """({name: shape}, {name: the names sharing its storage}): a tied weight is saved under one of its names; a
-    ZeRO-3 rank's empty partition has its whole shape in ds_shape."""
+    """({name: whole shape (ZeRO-3: ds_shape)}, {name: names sharing its storage}): a tied weight is saved once."""
     if adapter:
         from peft import get_peft_model_state_dict
 
