@@ -162,8 +162,11 @@ class RecipeTrainer(TokenNormTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._window_finite = torch.isfinite(loss).all() & self._window_finite  # no host sync per micro-batch
-        return loss
+        finite = torch.isfinite(loss).all()
+        self._window_finite = finite & self._window_finite  # no host sync per micro-batch
+        # Trainer's NaN filter is off (it reads the loss back after every backward): a non-finite micro-batch adds 0
+        # to the logged loss instead, so later steps' logs stay finite; its step is vetoed and counted anyway
+        return torch.where(finite, loss, torch.zeros_like(loss))
 
     def decides_before_backward(self) -> bool:
         """Whether the step's verdict is taken before the window's last backward: under DeepSpeed, whose engine.step()
