@@ -94,16 +94,18 @@ def kept_cross_entropy_sum(
     kept_logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same sum from logits computed only where `targets != -100` ([N, V], row-major order)."""
-    count = kept_logits.shape[0] if kept_logits.dim() == 2 else -1
-    _check_kept(count, targets, "kept logits", kept_logits.shape)
-    kept = kept_targets(targets, count).to(kept_logits.device)
+    kept, count = _targets_of_kept_rows(kept_logits, targets, "kept logits")
     return _summed_cross_entropy(kept_logits, kept, label_smoothing), torch.tensor(count)
 
 
-def _check_kept(count: int, targets: torch.Tensor, what: str, shape) -> None:
-    # Checked where it costs nothing (host targets, a tensor's rank); on a GPU the count is the model's own.
-    if count < 0 or (targets.device.type == "cpu" and int((targets != IGNORE_INDEX).sum()) != count):
-        raise ValueError(f"{what} {tuple(shape)} do not match {int((targets != IGNORE_INDEX).sum())} targets")
+def _targets_of_kept_rows(kept_rows: torch.Tensor, targets: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+    """(the targets of kept rows [N, ·] on their device, N): N is the rows' own host count, so no host sync. Checked
+    where it costs nothing (a tensor's rank, host targets); on a GPU the count is the model's own."""
+    count = kept_rows.shape[0] if kept_rows.dim() == 2 else -1
+    expected = int((targets != IGNORE_INDEX).sum()) if targets.device.type == "cpu" else count
+    if count < 0 or expected != count:
+        raise ValueError(f"{what} {tuple(kept_rows.shape)} do not match {expected} targets")
+    return kept_targets(targets, count).to(kept_rows.device), count
 
 
 def sample_loss_sums(
@@ -240,11 +242,9 @@ def head_cross_entropy_sum(
     """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
     (and bias), computed in chunks so that [N, V] logits never exist whole. `compute_dtype`: the GEMMs' dtype under
     mixed precision (None: the ambient autocast's, else the weight's). The count is the host's (N): no host sync."""
-    count = kept_hidden.shape[0] if kept_hidden.dim() == 2 else -1
-    _check_kept(count, targets, "kept hidden states", kept_hidden.shape)
+    kept, count = _targets_of_kept_rows(kept_hidden, targets, "kept hidden states")
     if count == 0:  # keeps the graph (zero gradients) without an empty matmul
         return kept_hidden.sum() * 0.0, torch.tensor(0)
-    kept = kept_targets(targets, count).to(kept_hidden.device)
     device = kept_hidden.device
     chunk_rows = head_chunk_rows(weight.shape[0], device)
     # Called inside autocast (the planner's trials, a user's loop), its dtype is the GEMMs'; the float32 parts must
