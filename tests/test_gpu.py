@@ -18,6 +18,7 @@ from transformers import TrainerCallback, TrainingArguments
 from finetune import TokenNormTrainer
 from finetune.loss import head_cross_entropy_sum
 from tests.reference import reference_gradient, relative_error
+from tests.test_head_precision import autocast_brute_force_error
 from tests.test_trainer import model_at
 from tests.toy import RecordingCollator, SnapshotCallback, ragged_rows, tiny_llama
 
@@ -46,23 +47,6 @@ def train_on_cuda(model, rows, tmp_path, micro, accumulation, precision, **extra
     return trainer, windows, cpu
 
 
-def autocast_floor(initial, snapshot, window, dtype) -> float:
-    """The same precision's own error: the brute force one sequence at a time with its forward under CUDA autocast."""
-    model = model_at(initial, snapshot)
-    expected, _ = reference_gradient(model, window)
-    model = model.cuda()
-    total, count = torch.zeros((), device="cuda"), 0
-    for seq in window:
-        ids, labels = torch.as_tensor(seq["input_ids"])[None].cuda(), torch.as_tensor(seq["labels"]).cuda()
-        with torch.autocast("cuda", dtype=dtype):
-            logits = model(input_ids=ids).logits[0, :-1]
-        keep = labels[1:] != -100
-        total = total + F.cross_entropy(logits[keep].float(), labels[1:][keep], reduction="sum")
-        count += int(keep.sum())
-    (total / count).backward()
-    return relative_error({n: p.grad.cpu().double() for n, p in model.named_parameters()}, expected)
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_training_is_exact_within_its_own_error(precision, tmp_path):
     initial = tiny_llama()
@@ -75,7 +59,7 @@ def test_mixed_precision_training_is_exact_within_its_own_error(precision, tmp_p
         grads, _ = reference_gradient(model_at(initial, snapshots[k]), window)
         applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}
         error = relative_error(applied, grads)
-        floor = autocast_floor(initial, snapshots[k], window, DTYPES[precision])
+        floor = autocast_brute_force_error(initial, snapshots[k], window, DTYPES[precision], "cuda")
         assert error <= 1.5 * floor and error <= 2 * ROUNDOFF[precision], (error, floor)
 
 
