@@ -61,8 +61,9 @@ def build(
     held_out = held_out if evaluate else None
     if held_out is not None:
         reporting.main_print(held_out.summary)
-        prompts = sample_prompts(held_out.records, held_out.format, cfg.eval.samples, cfg.eval.prompts, tokenizer,
-                                 vision)
+        prompts = sample_prompts(
+            held_out.records, held_out.format, cfg.eval.samples, cfg.eval.prompts, tokenizer, vision
+        )
     batches = batching.prepare(cfg, dataset, tokenizer.tokenizer if vision else tokenizer)
     if vision:  # the image processor's tensors join each text batch
         batches.collator = VisionCollator(batches.collator, tokenizer)
@@ -124,7 +125,10 @@ def build(
         data_collator=batches.collator,
         processing_class=tokenizer,
         callbacks=[
-            reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg), *callbacks,
+            reporting.StepCountCheck(total_steps),
+            *distributed.callbacks(),
+            *reporting.callbacks(cfg),
+            *callbacks,
             *(evaluation.callbacks(cfg, prompts) if held_out is not None else ()),
         ],
         optim_config=cfg.optim,
@@ -134,6 +138,12 @@ def build(
         stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
         peak_flops=peak_flops,
-        **({} if held_out is None else {"eval_dataset": held_out.dataset, "eval_setup": evaluation.EvalSetup(
-            held_out.collator, held_out.tokens, cfg.eval.best_checkpoint)}),
+        **(
+            {}
+            if held_out is None
+            else {
+                "eval_dataset": held_out.dataset,
+                "eval_setup": evaluation.EvalSetup(held_out.collator, held_out.tokens, cfg.eval.best_checkpoint),
+            }
+        ),
     )

@@ -83,8 +83,9 @@ def row_cross_entropy_sums(
     mask = targets != IGNORE_INDEX
     kept = logits if logits.dim() == 2 and logits.shape[0] == int(mask.sum()) else logits[mask]
     accumulate = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    per_target = F.cross_entropy(kept.to(accumulate), targets[mask].to(kept.device), reduction="none",
-                                 label_smoothing=label_smoothing)
+    per_target = F.cross_entropy(
+        kept.to(accumulate), targets[mask].to(kept.device), reduction="none", label_smoothing=label_smoothing
+    )
     rows = mask.nonzero()[:, 0].to(per_target.device)
     sums = torch.zeros(targets.shape[0], dtype=torch.float64, device=per_target.device)
     return sums.index_add_(0, rows, per_target.double()), mask.sum(-1)
@@ -214,8 +215,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), rows)
             else:
                 grad_weight += _matmul(grad_logits.t(), rows, accumulate)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
-                              None if grad_bias is None else grad_bias.to(bias.dtype))
+        ctx.save_for_backward(
+            grad_hidden, grad_weight.to(weight.dtype), None if grad_bias is None else grad_bias.to(bias.dtype)
+        )
         return loss_sum
 
     @staticmethod
@@ -227,7 +229,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_output.to(grad_hidden.dtype)),
             grad_weight.mul_(grad_output.to(grad_weight.dtype)) if ctx.needs_input_grad[1] else None,
             grad_bias.mul_(grad_output.to(grad_bias.dtype))
-            if grad_bias is not None and ctx.needs_input_grad[2] else None,
+            if grad_bias is not None and ctx.needs_input_grad[2]
+            else None,
             None,
             None,
             None,
@@ -236,8 +239,12 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
 
 def head_cross_entropy_sum(
-    kept_hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    label_smoothing: float = 0.0, compute_dtype: torch.dtype | None = None,
+    kept_hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    label_smoothing: float = 0.0,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
     (and bias), computed in chunks so that [N, V] logits never exist whole. `compute_dtype`: the GEMMs' dtype under
@@ -252,6 +259,7 @@ def head_cross_entropy_sum(
     if compute_dtype is None and torch.is_autocast_enabled(device.type):
         compute_dtype = torch.get_autocast_dtype(device.type)
     with torch.autocast(device.type, enabled=False):
-        total = _ChunkedHeadCrossEntropy.apply(kept_hidden, weight, bias, kept, chunk_rows, label_smoothing,
-                                               compute_dtype)
+        total = _ChunkedHeadCrossEntropy.apply(
+            kept_hidden, weight, bias, kept, chunk_rows, label_smoothing, compute_dtype
+        )
     return total, torch.tensor(count)

@@ -26,12 +26,23 @@ TIMING_KEYS = ("real_tokens_per_s", "computed_tokens_per_s", "samples_per_s", "p
 # that matches: "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are not the SXM part "NVIDIA H100 80GB HBM3"). None: the GPU
 # has no such tensor cores (V100 and T4 have no bf16).
 PEAK_TFLOPS = {
-    "H100": (989.0, 989.0, 67.0), "H100 PCIe": (756.0, 756.0, 51.0), "H100 NVL": (835.0, 835.0, 60.0),
-    "H200": (989.0, 989.0, 67.0), "H200 NVL": (835.0, 835.0, 60.0), "GH200": (989.0, 989.0, 67.0),
-    "A100": (312.0, 312.0, 19.5), "L40S": (362.0, 362.0, 91.6), "L40": (181.0, 181.0, 90.5),
-    "L4": (121.0, 121.0, 30.3), "A10G": (70.0, 70.0, 31.2), "A10": (125.0, 125.0, 31.2),
-    "RTX 4090": (165.0, 165.0, 82.6), "RTX 3090": (71.0, 71.0, 35.6), "V100": (None, 125.0, 15.7),
-    "T4": (None, 65.0, 8.1), "B200": (2250.0, 2250.0, 80.0),
+    "H100": (989.0, 989.0, 67.0),
+    "H100 PCIe": (756.0, 756.0, 51.0),
+    "H100 NVL": (835.0, 835.0, 60.0),
+    "H200": (989.0, 989.0, 67.0),
+    "H200 NVL": (835.0, 835.0, 60.0),
+    "GH200": (989.0, 989.0, 67.0),
+    "A100": (312.0, 312.0, 19.5),
+    "L40S": (362.0, 362.0, 91.6),
+    "L40": (181.0, 181.0, 90.5),
+    "L4": (121.0, 121.0, 30.3),
+    "A10G": (70.0, 70.0, 31.2),
+    "A10": (125.0, 125.0, 31.2),
+    "RTX 4090": (165.0, 165.0, 82.6),
+    "RTX 3090": (71.0, 71.0, 35.6),
+    "V100": (None, 125.0, 15.7),
+    "T4": (None, 65.0, 8.1),
+    "B200": (2250.0, 2250.0, 80.0),
 }
 PRECISIONS = ("bf16", "fp16", "fp32")
 HALF_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -83,7 +94,8 @@ def matmul_parameters(model: torch.nn.Module) -> int:
     """Weights of every nn.Linear (the LM head included, embeddings and norms not): what a token multiplies by."""
     return sum(
         getattr(m.weight, "ds_numel", m.weight.numel())  # ZeRO-3 partitions weights; ds_numel is the full size
-        for m in model.modules() if isinstance(m, torch.nn.Linear)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
     )
 
 
@@ -110,8 +122,9 @@ def compute_precision(bf16: bool, fp16: bool, model: torch.nn.Module) -> str:
     return HALF_DTYPES.get(max(sizes, key=sizes.get), "fp32") if sizes else "fp32"
 
 
-def device_peak_flops(precision: str, override_tflops: float | None = None,
-                      device_name: str | None = None) -> float | None:
+def device_peak_flops(
+    precision: str, override_tflops: float | None = None, device_name: str | None = None
+) -> float | None:
     """The device's dense peak FLOP/s for the precision (bf16, fp16 or fp32), from `override_tflops` or the table of
     `device_name` (default: this process's CUDA device); None if unknown."""
     if override_tflops:

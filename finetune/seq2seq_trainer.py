@@ -26,7 +26,8 @@ class TokenNormSeq2SeqTrainer(TokenNormTrainer, Seq2SeqTrainer):
         # inputs a collator made from the labels go too, as Seq2SeqTrainer evicts them, or generation would continue
         # from them.
         made_from_labels = inputs.get("decoder_input_ids") is not None and (
-            inputs["decoder_input_ids"].shape == inputs["labels"].shape)
+            inputs["decoder_input_ids"].shape == inputs["labels"].shape
+        )
         evicted = ("labels", "decoder_input_ids", "decoder_attention_mask") if made_from_labels else ("labels",)
         unlabelled = {k: v for k, v in inputs.items() if k not in evicted}
         _, generated, _ = Seq2SeqTrainer.prediction_step(self, model, unlabelled, False, ignore_keys, **gen_kwargs)

@@ -110,8 +110,11 @@ class TokenNormTrainer(Trainer):
         self._window_label_tokens: int | None = None
         # Under mixed precision the chunked head's GEMMs take the autocast dtype, as the model's own head would (the
         # loss runs outside the forward, where autocast is not active).
-        self._head_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-            self.accelerator.mixed_precision) if self.accelerator.native_amp else None
+        self._head_dtype = (
+            {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+            if self.accelerator.native_amp
+            else None
+        )
         # [loss sum, label tokens, rows or batches summed] while an evaluation loop runs
         self._eval_sums: torch.Tensor | None = None
         self._gated_optimizer = None
@@ -140,8 +143,12 @@ class TokenNormTrainer(Trainer):
     def _prepare_input(self, data):
         # The window's micro-batches wait on the host (pinned on a GPU machine): copied without blocking the host, so
         # the copy of micro-batch k + 1 does not wait for the backward of micro-batch k.
-        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and self.args.device.type == "cuda" and (
-                data.is_pinned() and not self.is_deepspeed_enabled):
+        if (
+            isinstance(data, torch.Tensor)
+            and data.device.type == "cpu"
+            and self.args.device.type == "cuda"
+            and (data.is_pinned() and not self.is_deepspeed_enabled)
+        ):
             return data.to(self.args.device, non_blocking=True)
         return super()._prepare_input(data)
 
@@ -189,8 +196,10 @@ class TokenNormTrainer(Trainer):
             loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=denominator)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError(f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
-                                 f"÷ num_items_in_batch); it returned {shape}")
+                raise ValueError(
+                    f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
+                    f"÷ num_items_in_batch); it returned {shape}"
+                )
             loss = loss.reshape(())
             if evaluating:
                 summed = torch.stack([loss.double() * count, count.double(), count.new_ones((), dtype=torch.float64)])
@@ -206,8 +215,9 @@ class TokenNormTrainer(Trainer):
         kept = keep_logits and logits is not None and logits.dim() == 2
         if hidden is not None:
             head = self._chunked_head
-            loss_sum, count = head_cross_entropy_sum(hidden, head.weight, head.bias, targets, smoothing,
-                                                     self._head_dtype)
+            loss_sum, count = head_cross_entropy_sum(
+                hidden, head.weight, head.bias, targets, smoothing, self._head_dtype
+            )
         elif self.loss_kind == SAMPLE and logits is not None and logits.shape[0] == targets.shape[0]:
             problem = problem_type_of(self.accelerator.unwrap_model(model), targets)
             loss_sum, count = self._summed_rows(*sample_loss_sums(logits, targets, problem, smoothing), evaluating)
@@ -242,8 +252,9 @@ class TokenNormTrainer(Trainer):
         sums. gather_for_metrics drops the rows repeated to fill the last batches, even where a subclass gathers
         predictions with plain gather (Seq2SeqTrainer keeps them)."""
         if evaluating:
-            rows = torch.stack([row_sums.double(), row_counts.double(), torch.ones_like(row_sums, dtype=torch.float64)],
-                               dim=1)
+            rows = torch.stack(
+                [row_sums.double(), row_counts.double(), torch.ones_like(row_sums, dtype=torch.float64)], dim=1
+            )
             self._add_eval(self.accelerator.gather_for_metrics(rows))
         return row_sums.sum(), row_counts.sum()
 
@@ -254,8 +265,9 @@ class TokenNormTrainer(Trainer):
         if self._forward_needs_labels:
             forward["labels"] = inputs["labels"]
         elif self.loss_kind == SEQ2SEQ and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            prepare = getattr(unwrap_peft_model(self.accelerator.unwrap_model(model)),
-                              "prepare_decoder_input_ids_from_labels", None)
+            prepare = getattr(
+                unwrap_peft_model(self.accelerator.unwrap_model(model)), "prepare_decoder_input_ids_from_labels", None
+            )
             if prepare is not None:
                 forward["decoder_input_ids"] = prepare(labels=inputs["labels"])
             else:
@@ -290,6 +302,7 @@ class TokenNormTrainer(Trainer):
             self._chunked_head = False
             return model(**forward), None
         kept, seen = [], []
+
         def one_row(module, args):  # keep every kept position's hidden state; the head sees the first row only
             kept.append(args[0])
             return (args[0].narrow(-2, 0, 1), *args[1:])
@@ -305,16 +318,23 @@ class TokenNormTrainer(Trainer):
             self._chunked_head = head
             return outputs, kept[0]
         self._chunked_head = False
-        logger.warning(f"TokenNormTrainer: {type(model).__name__} changes its logits after the LM head; its own logits "
-                       "are used (this first micro-batch ran its forward twice)")
+        logger.warning(
+            f"TokenNormTrainer: {type(model).__name__} changes its logits after the LM head; its own logits "
+            "are used (this first micro-batch ran its forward twice)"
+        )
         return model(**forward), None
 
     # ---- evaluation: the token mean of the whole set ----
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Only the loss is asked for (evaluate() without compute_metrics): logits where a target is, not [B, T, V]
-        if (not prediction_loss_only or self.loss_kind is None or self.compute_loss_func is not None
-                or not isinstance(inputs, Mapping) or inputs.get("labels") is None):
+        if (
+            not prediction_loss_only
+            or self.loss_kind is None
+            or self.compute_loss_func is not None
+            or not isinstance(inputs, Mapping)
+            or inputs.get("labels") is None
+        ):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -331,15 +351,18 @@ class TokenNormTrainer(Trainer):
     def _add_eval(self, gathered: torch.Tensor) -> None:
         self._eval_sums += gathered.to(self._eval_sums.device, torch.float64).sum(0)
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         if self.loss_kind is None:
-            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                           metric_key_prefix)
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
         self._eval_sums = torch.zeros(3, dtype=torch.float64, device=self.args.device)
         try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
             loss_sum, label_tokens, summed = self._eval_sums.tolist()
         finally:
             self._eval_sums = None

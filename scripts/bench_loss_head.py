@@ -134,8 +134,11 @@ def run_arm(spec: dict) -> dict:
     t = t.to(device)
     del h0, w0
     fn = arm_fn(spec["arm"])
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec["precision"] == "autocast"
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if spec["precision"] == "autocast"
+        else contextlib.nullcontext()
+    )
 
     def step(rows: int | None = None):
         h.grad = w.grad = None
@@ -159,11 +162,15 @@ def run_arm(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     peak_bytes = peak.bytes()
     ref = torch.load(spec["ref"], weights_only=True)
-    return {**{k: spec[k] for k in ("arm", "precision", "vocab", "hidden", "tokens")},
-            "ms": 1000 * statistics.median(times), "peak_mib": peak_bytes / 2**20,
-            "loss_error": abs(float(loss.detach().double()) - float(ref["loss"])) / abs(float(ref["loss"])),
-            "grad_hidden_error": relative(h.grad, ref["hidden"]), "grad_weight_error": relative(w.grad, ref["weight"]),
-            "loss_dtype": str(loss.dtype).removeprefix("torch.")}
+    return {
+        **{k: spec[k] for k in ("arm", "precision", "vocab", "hidden", "tokens")},
+        "ms": 1000 * statistics.median(times),
+        "peak_mib": peak_bytes / 2**20,
+        "loss_error": abs(float(loss.detach().double()) - float(ref["loss"])) / abs(float(ref["loss"])),
+        "grad_hidden_error": relative(h.grad, ref["hidden"]),
+        "grad_weight_error": relative(w.grad, ref["weight"]),
+        "loss_dtype": str(loss.dtype).removeprefix("torch."),
+    }
 
 
 def in_fresh_process(spec: dict) -> dict:
@@ -184,13 +191,24 @@ def measure(args) -> list[dict]:
                 ref_path = str(Path(scratch) / f"ref-{vocab}-{hidden}.pt")
                 torch.save(reference(h.to(device), w.to(device), t.to(device)), ref_path)
                 del h, w, t
-                print(f"V={vocab} H={hidden} N={args.tokens}: float64 reference {time.perf_counter() - started:.1f} s",
-                      flush=True)
+                print(
+                    f"V={vocab} H={hidden} N={args.tokens}: float64 reference {time.perf_counter() - started:.1f} s",
+                    flush=True,
+                )
                 for precision in args.precision:
                     for arm in arms:
-                        spec = dict(arm=arm, precision=precision, vocab=vocab, hidden=hidden, tokens=args.tokens,
-                                    seed=args.seed, device=args.device, threads=args.threads,
-                                    repeats=args.repeats, ref=ref_path)
+                        spec = dict(
+                            arm=arm,
+                            precision=precision,
+                            vocab=vocab,
+                            hidden=hidden,
+                            tokens=args.tokens,
+                            seed=args.seed,
+                            device=args.device,
+                            threads=args.threads,
+                            repeats=args.repeats,
+                            ref=ref_path,
+                        )
                         row = run_arm(spec) if device.type == "cuda" else in_fresh_process(spec)
                         rows.append(row)
                         print(format_row(row), flush=True)
@@ -199,14 +217,18 @@ def measure(args) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'vocab':>7} {'hidden':>6} {'tokens':>6} {'precision':<9} {'arm':<6} {'ms':>9} {'peak MiB':>9} "
-          f"{'loss err':>9} {'dh err':>9} {'dW err':>9}")
+HEADER = (
+    f"{'vocab':>7} {'hidden':>6} {'tokens':>6} {'precision':<9} {'arm':<6} {'ms':>9} {'peak MiB':>9} "
+    f"{'loss err':>9} {'dh err':>9} {'dW err':>9}"
+)
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['vocab']:>7} {r['hidden']:>6} {r['tokens']:>6} {r['precision']:<9} {r['arm']:<6} {r['ms']:>9.1f} "
-            f"{r['peak_mib']:>9.0f} {r['loss_error']:>9.1e} {r['grad_hidden_error']:>9.1e} "
-            f"{r['grad_weight_error']:>9.1e}")
+    return (
+        f"{r['vocab']:>7} {r['hidden']:>6} {r['tokens']:>6} {r['precision']:<9} {r['arm']:<6} {r['ms']:>9.1f} "
+        f"{r['peak_mib']:>9.0f} {r['loss_error']:>9.1e} {r['grad_hidden_error']:>9.1e} "
+        f"{r['grad_weight_error']:>9.1e}"
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -219,6 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if set(picked) - set(allowed):
                 raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}")
             return picked
+
         return parse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,8 +273,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
-    memory = ("CUDA max_memory_allocated above the inputs" if args.device == "cuda" else
-              "CPU resident-set high-water mark above the inputs, one fresh process per arm")
+    memory = (
+        "CUDA max_memory_allocated above the inputs"
+        if args.device == "cuda"
+        else "CPU resident-set high-water mark above the inputs, one fresh process per arm"
+    )
     print(f"{device}; torch {torch.__version__}; N={args.tokens} tokens; peak: {memory}\n{HEADER}", flush=True)
     rows = measure(args)
     load = os.getloadavg()[0] if args.device == "cpu" else None  # others' share of a shared CPU skews the times
@@ -259,8 +285,15 @@ def main(argv: list[str]) -> int:
     if load is not None:
         print(f"load average {load:.1f} (the machine's; {os.cpu_count()} cores)")
     if args.json:
-        out = {"device": device, "load_average": load, "torch": torch.__version__, "memory": memory,
-               "command": " ".join(sys.argv), "torch_op": has_torch_op(), "rows": rows}
+        out = {
+            "device": device,
+            "load_average": load,
+            "torch": torch.__version__,
+            "memory": memory,
+            "command": " ".join(sys.argv),
+            "torch_op": has_torch_op(),
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

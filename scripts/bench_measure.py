@@ -110,8 +110,9 @@ class Clock:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        self.marks.append((time.perf_counter(), time.process_time(), machine_busy(), event, self.real.clone(),
-                           self.computed))
+        self.marks.append(
+            (time.perf_counter(), time.process_time(), machine_busy(), event, self.real.clone(), self.computed)
+        )
 
     def result(self, warmup: int) -> dict:
         if self.cuda:
@@ -121,9 +122,17 @@ class Clock:
         cores = os.cpu_count() or 1
         others = max(0.0, (b1 - b0) - (p1 - p0)) / max((t1 - t0) * cores, 1e-9)  # of the machine's CPU time
         r0, r1 = int(r0), int(r1)
-        return {"seconds": seconds, "cpu_seconds": p1 - p0, "real_tokens": r1 - r0, "computed_tokens": c1 - c0,
-                "steps": len(self.marks) - 1 - warmup, "all_real": r1, "all_computed": c1, "others_cpu": others,
-                "matmul_params": self.matmul_params}
+        return {
+            "seconds": seconds,
+            "cpu_seconds": p1 - p0,
+            "real_tokens": r1 - r0,
+            "computed_tokens": c1 - c0,
+            "steps": len(self.marks) - 1 - warmup,
+            "all_real": r1,
+            "all_computed": c1,
+            "others_cpu": others,
+            "matmul_params": self.matmul_params,
+        }
 
     def attach(self, trainer) -> None:
         from transformers import PrinterCallback, ProgressCallback, TrainerCallback
@@ -150,8 +159,14 @@ class Recording:
         return batch
 
 
-def mfu(real_tokens_per_s: float, matmul_params: int | None, layers: int, hidden: int, mean_length: float,
-        peak_flops: float | None) -> float | None:
+def mfu(
+    real_tokens_per_s: float,
+    matmul_params: int | None,
+    layers: int,
+    hidden: int,
+    mean_length: float,
+    peak_flops: float | None,
+) -> float | None:
     """Model FLOP utilisation of real tokens: (6 × matmul parameters + 12 × layers × hidden × mean sequence length)
     FLOPs per token (finetune.meter.flops_per_token's formula) × real tokens/s over the device's dense peak."""
     if not peak_flops or not matmul_params:

@@ -76,16 +76,21 @@ def main() -> None:
     del base
     n_params = sum(p.numel() for p in grads)
     adamw = optimizers["adamw"]
-    print(f"{n_params / 1e6:.1f}M parameters, fp32, CPU, {torch.get_num_threads()} threads; AdamW foreach="
-          f"{adamw.defaults['foreach']}; {args.rounds} rounds × {args.steps} steps per optimizer, interleaved")
+    print(
+        f"{n_params / 1e6:.1f}M parameters, fp32, CPU, {torch.get_num_threads()} threads; AdamW foreach="
+        f"{adamw.defaults['foreach']}; {args.rounds} rounds × {args.steps} steps per optimizer, interleaved"
+    )
 
     times = {name: [] for name in NAMES}
     for round_index in range(args.rounds):
         order = NAMES if round_index % 2 == 0 else NAMES[::-1]  # no optimizer always runs first
         for name in order:
             times[name].append(seconds_per_step(optimizers[name], args.steps))
-        print(f"round {round_index + 1}: " + ", ".join(
-            f"{n} {times[n][-1][0] * 1e3:.0f} ms (cpu {times[n][-1][1] * 1e3:.0f})" for n in NAMES), flush=True)
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{n} {times[n][-1][0] * 1e3:.0f} ms (cpu {times[n][-1][1] * 1e3:.0f})" for n in NAMES),
+            flush=True,
+        )
 
     for kind, index in (("wall", 0), ("cpu", 1)):
         medians = ", ".join(f"{n} {statistics.median(t[index] for t in times[n]) * 1e3:.0f} ms" for n in NAMES)
@@ -94,8 +99,10 @@ def main() -> None:
             ratios = [t[index] / a[index] for t, a in zip(times[name], times["adamw"])]
             verdict = "meets" if statistics.median(ratios) <= 1.5 else "misses"
             best = min(t[index] for t in times[name]) / min(t[index] for t in times["adamw"])
-            print(f"  {name} / adamw ({kind}): median ratio {statistics.median(ratios):.2f} (per round: "
-                  f"{', '.join(f'{r:.2f}' for r in ratios)}); {verdict} the 1.5× target; fastest/fastest {best:.2f}")
+            print(
+                f"  {name} / adamw ({kind}): median ratio {statistics.median(ratios):.2f} (per round: "
+                f"{', '.join(f'{r:.2f}' for r in ratios)}); {verdict} the 1.5× target; fastest/fastest {best:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -78,15 +78,20 @@ def arms(device: str) -> dict:
 
     if device == "cpu":
         packed_attention.register()
-        return {"sdpa": ("sdpa", sdpa_attention_forward),
-                packed_attention.NAME: (packed_attention.NAME, packed_attention.packed_sdpa_attention)}
+        return {
+            "sdpa": ("sdpa", sdpa_attention_forward),
+            packed_attention.NAME: (packed_attention.NAME, packed_attention.packed_sdpa_attention),
+        }
     varlen = torch_varlen_attn()
     if varlen is None:
         raise SystemExit(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch>=2.10)")
     loop = packed_attention.register(PackedAttention(None), "per_sequence")
     kernel = packed_attention.register(PackedAttention(VarlenKernel(varlen)), "varlen")
-    return {"sdpa": ("sdpa", sdpa_attention_forward), "per_sequence": ("per_sequence", loop),
-            "varlen": ("varlen", kernel)}
+    return {
+        "sdpa": ("sdpa", sdpa_attention_forward),
+        "per_sequence": ("per_sequence", loop),
+        "varlen": ("varlen", kernel),
+    }
 
 
 def measure_row(model, row: dict, implementations: dict, repeats: int, device: str) -> dict:
@@ -122,20 +127,32 @@ def measure_row(model, row: dict, implementations: dict, repeats: int, device: s
         for arm, (implementation, _) in implementations.items():
             model_times[arm].append(timed(functools.partial(model_step, implementation), 1, device))
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, heads, length, attention.head_dim, generator=g, device=device, dtype=dtype,
-                           requires_grad=True)
-               for heads in (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads))
+    q, k, v = (
+        torch.randn(1, heads, length, attention.head_dim, generator=g, device=device, dtype=dtype, requires_grad=True)
+        for heads in (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)
+    )
     model.config._attn_implementation = "sdpa"
-    mask = create_causal_mask(config=model.config, inputs_embeds=torch.zeros(1, length, 1, device=device),
-                              attention_mask=None, past_key_values=None, position_ids=inputs["position_ids"])
+    mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=torch.zeros(1, length, 1, device=device),
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=inputs["position_ids"],
+    )
     assert mask is not None and mask.shape[-1] == length
     attn_times = {arm: [] for arm in implementations}
     for _ in range(repeats):
         for arm, (_, fn) in implementations.items():
             step = functools.partial(attention_step, fn, q, k, v, mask if arm == "sdpa" else None)
             attn_times[arm].append(timed(step, 1, device))
-    return {arm: (float((logits[arm] - logits["sdpa"]).abs().max()), statistics.median(model_times[arm]),
-                  statistics.median(attn_times[arm])) for arm in implementations}
+    return {
+        arm: (
+            float((logits[arm] - logits["sdpa"]).abs().max()),
+            statistics.median(model_times[arm]),
+            statistics.median(attn_times[arm]),
+        )
+        for arm in implementations
+    }
 
 
 def main() -> int:
@@ -144,8 +161,9 @@ def main() -> int:
     parser.add_argument("--per-row", type=int, default=8, help="sequences per packed row")
     parser.add_argument("--repeats", type=int, default=5, help="timings per implementation and row (median kept)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: bf16 weights, and the varlen arm")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 weights, and the varlen arm"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
@@ -167,9 +185,11 @@ def main() -> int:
     implementations = arms(args.device)
     c = model.config
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
-    print(f"model: Llama hidden {c.hidden_size}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, "
-          f"{c.num_hidden_layers} layers, vocab {c.vocab_size}, {str(dtype).removeprefix('torch.')}; {where}; "
-          f"torch {torch.__version__}")
+    print(
+        f"model: Llama hidden {c.hidden_size}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, "
+        f"{c.num_hidden_layers} layers, vocab {c.vocab_size}, {str(dtype).removeprefix('torch.')}; {where}; "
+        f"torch {torch.__version__}"
+    )
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
 
     results = []
@@ -178,17 +198,28 @@ def main() -> int:
         results.append(figures)
         length = row["inputs"]["input_ids"].shape[1]
         _, model_sdpa, attn_sdpa = figures["sdpa"]
-        parts = [f"{arm}: max |Δlogit| {diff:.2e}, model fwd+bwd {model_s:.4f} s ({model_sdpa / model_s:.2f}×), "
-                 f"one layer's attention {attn_s * 1e3:.2f} ms ({attn_sdpa / attn_s:.2f}×)"
-                 for arm, (diff, model_s, attn_s) in figures.items() if arm != "sdpa"]
-        print(f"row of {length} tokens ({'+'.join(map(str, row['lengths']))}): masked sdpa model fwd+bwd "
-              f"{model_sdpa:.4f} s, one layer's attention {attn_sdpa * 1e3:.2f} ms; " + "; ".join(parts))
+        parts = [
+            f"{arm}: max |Δlogit| {diff:.2e}, model fwd+bwd {model_s:.4f} s ({model_sdpa / model_s:.2f}×), "
+            f"one layer's attention {attn_s * 1e3:.2f} ms ({attn_sdpa / attn_s:.2f}×)"
+            for arm, (diff, model_s, attn_s) in figures.items()
+            if arm != "sdpa"
+        ]
+        print(
+            f"row of {length} tokens ({'+'.join(map(str, row['lengths']))}): masked sdpa model fwd+bwd "
+            f"{model_sdpa:.4f} s, one layer's attention {attn_sdpa * 1e3:.2f} ms; " + "; ".join(parts)
+        )
     total = {arm: (sum(r[arm][1] for r in results), sum(r[arm][2] for r in results)) for arm in results[0]}
     model_sdpa, attn_sdpa = total["sdpa"]
-    print(f"all {len(results)} rows: masked sdpa model fwd+bwd {model_sdpa:.3f} s, attention alone "
-          f"{attn_sdpa * 1e3:.1f} ms; " + "; ".join(
-              f"{arm}: model {model_s:.3f} s ({model_sdpa / model_s:.2f}× faster), attention {attn_s * 1e3:.1f} ms "
-              f"({attn_sdpa / attn_s:.2f}×)" for arm, (model_s, attn_s) in total.items() if arm != "sdpa"))
+    print(
+        f"all {len(results)} rows: masked sdpa model fwd+bwd {model_sdpa:.3f} s, attention alone "
+        f"{attn_sdpa * 1e3:.1f} ms; "
+        + "; ".join(
+            f"{arm}: model {model_s:.3f} s ({model_sdpa / model_s:.2f}× faster), attention {attn_s * 1e3:.1f} ms "
+            f"({attn_sdpa / attn_s:.2f}×)"
+            for arm, (model_s, attn_s) in total.items()
+            if arm != "sdpa"
+        )
+    )
     print("load average (1, 5, 15 min) after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 

@@ -106,26 +106,42 @@ def main(argv: list[str]) -> int:
     user = [a for a in argv if not a.startswith("recipe=")]
     results = {}
     with tempfile.TemporaryDirectory() as out:
-        common = [*recipe, "train.max_steps=2", "schedule.warmup_steps=0", "log.wandb_mode=disabled",
-                  "train.save_steps=0", f"train.output_dir={out}", *user]
+        common = [
+            *recipe,
+            "train.max_steps=2",
+            "schedule.warmup_steps=0",
+            "log.wandb_mode=disabled",
+            "train.save_steps=0",
+            f"train.output_dir={out}",
+            *user,
+        ]
         for name, freeze in (("frozen", f"[{TOWER}]"), ("training", "[]")):
             env = {**os.environ, "WANDB_MODE": "disabled"}
-            proc = subprocess.run([sys.executable, __file__, "--variant", *common, f"model.freeze={freeze}"],
-                                  cwd=ROOT, capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--variant", *common, f"model.freeze={freeze}"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                 return proc.returncode or 1
-            results[name] = json.loads(line[len("RESULT "):])
+            results[name] = json.loads(line[len("RESULT ") :])
     frozen, training = results["frozen"], results["training"]
     print(f"VLM training-step memory, {' '.join(recipe + user) or 'recipes/vlm.yaml'}; {frozen['device']}")
     print(f"{'tower':<10}{'trainable':>14}{'peak MB':>12}{'step growth MB':>16}{'activations MB':>16}")
     for name, r in results.items():
-        print(f"{name:<10}{r['trainable_params']:>14,}{r['peak_mb']:>12.1f}{r['peak_mb'] - r['before_mb']:>16.1f}"
-              f"{r['activations_mb']:>16.1f}")
-    print(f"ratio frozen/training: peak {frozen['peak_mb'] / training['peak_mb']:.3f}, step growth "
-          f"{(frozen['peak_mb'] - frozen['before_mb']) / max(training['peak_mb'] - training['before_mb'], 1e-9):.3f}, "
-          f"activations {frozen['activations_mb'] / max(training['activations_mb'], 1e-9):.3f}")
+        print(
+            f"{name:<10}{r['trainable_params']:>14,}{r['peak_mb']:>12.1f}{r['peak_mb'] - r['before_mb']:>16.1f}"
+            f"{r['activations_mb']:>16.1f}"
+        )
+    print(
+        f"ratio frozen/training: peak {frozen['peak_mb'] / training['peak_mb']:.3f}, step growth "
+        f"{(frozen['peak_mb'] - frozen['before_mb']) / max(training['peak_mb'] - training['before_mb'], 1e-9):.3f}, "
+        f"activations {frozen['activations_mb'] / max(training['activations_mb'], 1e-9):.3f}"
+    )
     return 0
 
 

@@ -63,8 +63,16 @@ from bench_measure import Clock, PeakMemory, Recording, mfu
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "bench.yaml"
-ARMS = ("hf_padded", "hf_flatten", "hf_flatten_flash", "padded", "length_grouped", "token_budget", "packed",
-        "hand_loop")
+ARMS = (
+    "hf_padded",
+    "hf_flatten",
+    "hf_flatten_flash",
+    "padded",
+    "length_grouped",
+    "token_budget",
+    "packed",
+    "hand_loop",
+)
 HF = ("hf_padded", "hf_flatten", "hf_flatten_flash")
 OURS = ("padded", "length_grouped", "token_budget", "packed")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -72,8 +80,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 MODELS = {
     "bench": None,
     "tiny": TINY,
-    "0.5b": dict(hidden_size=1280, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=20,
-                 num_key_value_heads=4),
+    "0.5b": dict(
+        hidden_size=1280, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=20, num_key_value_heads=4
+    ),
     "smollm2-135m": {},
     "smollm2": {},  # pretrained weights
 }
@@ -127,17 +136,24 @@ class Bench:
 
     def describe(self) -> str:
         o, name = self.model_config(), self.args.model
-        model = (f"{'SmolLM2-135M-Instruct (pretrained)' if name == 'smollm2' else name + ': random init'}, Llama, "
-                 f"hidden {o.hidden_size}, {o.num_hidden_layers} layers, {o.num_attention_heads}/"
-                 f"{o.num_key_value_heads} heads, MLP {o.intermediate_size}, vocabulary {o.vocab_size}")
-        device = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else \
-            f"CPU, {torch.get_num_threads()} thread(s)"
-        return (f"data: {self.report.summary()}\nmodel: {model}; {self.args.precision}; {device}\n"
-                f"batch: micro {self.micro} × "
-                f"accumulation {self.accumulation}; token budget {self.budget} computed tokens per micro-batch (the "
-                f"mean of a random padded one), {self.budget * self.accumulation} per step; packed: {self.args.packed}"
-                f"\n{self.args.warmup} warm-up + {self.args.steps} timed optimizer steps per arm, {self.args.rounds} "
-                f"round(s)")
+        model = (
+            f"{'SmolLM2-135M-Instruct (pretrained)' if name == 'smollm2' else name + ': random init'}, Llama, "
+            f"hidden {o.hidden_size}, {o.num_hidden_layers} layers, {o.num_attention_heads}/"
+            f"{o.num_key_value_heads} heads, MLP {o.intermediate_size}, vocabulary {o.vocab_size}"
+        )
+        device = (
+            f"CUDA {torch.cuda.get_device_name()}"
+            if torch.cuda.is_available()
+            else f"CPU, {torch.get_num_threads()} thread(s)"
+        )
+        return (
+            f"data: {self.report.summary()}\nmodel: {model}; {self.args.precision}; {device}\n"
+            f"batch: micro {self.micro} × "
+            f"accumulation {self.accumulation}; token budget {self.budget} computed tokens per micro-batch (the "
+            f"mean of a random padded one), {self.budget * self.accumulation} per step; packed: {self.args.packed}"
+            f"\n{self.args.warmup} warm-up + {self.args.steps} timed optimizer steps per arm, {self.args.rounds} "
+            f"round(s)"
+        )
 
     def model_config(self):
         """The transformers config every arm's model is built from."""
@@ -163,8 +179,10 @@ class Bench:
 
         keys = [f"train.max_steps={steps}", "log.wandb_mode=disabled", "train.save_steps=0"]
         if arm == "token_budget" or (arm == "packed" and self.args.packed == "budget"):
-            keys += [f"data.max_tokens_per_micro_batch={self.budget}",
-                     f"train.global_batch_tokens={self.budget * accumulation}"]
+            keys += [
+                f"data.max_tokens_per_micro_batch={self.budget}",
+                f"train.global_batch_tokens={self.budget * accumulation}",
+            ]
         else:
             keys += [f"train.global_batch_size={self.micro * accumulation}"]
         cfg = self.config([*keys, f"data.batching={arm}"])
@@ -184,8 +202,9 @@ class Bench:
         from finetune.model.loading import load_model, model_folder
 
         set_seed(self.cfg.train.seed)  # as build() does: the same initial weights in every arm
-        model_cfg = self.cfg.model if attention is None else dataclasses.replace(self.cfg.model,
-                                                                                  attn_implementation=attention)
+        model_cfg = (
+            self.cfg.model if attention is None else dataclasses.replace(self.cfg.model, attn_implementation=attention)
+        )
         return load_model(model_cfg, model_folder(self.cfg.model))
 
     def run_hf(self, arm: str, cuda: bool) -> Clock:
@@ -200,10 +219,19 @@ class Bench:
             collator = Recording(collator)
         t, precision = self.cfg.train, self.args.precision
         args = TrainingArguments(
-            output_dir=t.output_dir, per_device_train_batch_size=self.micro,
-            gradient_accumulation_steps=self.accumulation, max_steps=self.steps, learning_rate=self.cfg.optim.lr,
-            max_grad_norm=t.max_grad_norm, seed=t.seed, bf16=precision == "bf16", fp16=precision == "fp16",
-            report_to=[], save_strategy="no", logging_steps=10**6, use_cpu=not cuda,
+            output_dir=t.output_dir,
+            per_device_train_batch_size=self.micro,
+            gradient_accumulation_steps=self.accumulation,
+            max_steps=self.steps,
+            learning_rate=self.cfg.optim.lr,
+            max_grad_norm=t.max_grad_norm,
+            seed=t.seed,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            report_to=[],
+            save_strategy="no",
+            logging_steps=10**6,
+            use_cpu=not cuda,
         )
         model = self.new_model(flash_attention() if arm == "hf_flatten_flash" else None)
         trainer = Trainer(model=model, args=args, train_dataset=self.dataset, data_collator=collator)
@@ -221,8 +249,14 @@ class Bench:
 
         device = torch.device("cuda" if cuda else "cpu")
         model, o = self.new_model().to(device).train(), self.cfg.optim
-        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay, **({"fused": True} if cuda else {"foreach": True}))
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            **({"fused": True} if cuda else {"foreach": True}),
+        )
         dtype = AUTOCAST.get(self.args.precision)
         autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
         scaler = torch.amp.GradScaler(device.type, enabled=self.args.precision == "fp16")
@@ -287,8 +321,14 @@ def add_utilisation(results: dict, bench: Bench) -> None:
     hf = [arm for arm in HF if arm in results]
     best = max(hf, key=lambda arm: results[arm]["real_tokens_per_s"]) if hf else None
     for r in results.values():
-        r["mfu"] = mfu(r["real_tokens_per_s"], r["matmul_params"], config.num_hidden_layers, config.hidden_size,
-                       bench.mean_length, peak)
+        r["mfu"] = mfu(
+            r["real_tokens_per_s"],
+            r["matmul_params"],
+            config.num_hidden_layers,
+            config.hidden_size,
+            bench.mean_length,
+            peak,
+        )
         r["best_hf_arm"] = best
         r["tokens_per_s_vs_best_hf"] = r["real_tokens_per_s"] / results[best]["real_tokens_per_s"] if best else None
         r["peak_mem_vs_best_hf"] = r["peak_mem_mb"] / results[best]["peak_mem_mb"] if best else None
@@ -296,6 +336,7 @@ def add_utilisation(results: dict, bench: Bench) -> None:
 
 def targets(results: dict, accumulation: int = 4, model: str = "bench") -> list[tuple[str, bool | None, str]]:
     """(target, passed, measured); passed is None where an arm it needs did not run."""
+
     def get(arm, key):
         return results.get(arm, {}).get(key)
 
@@ -307,51 +348,102 @@ def targets(results: dict, accumulation: int = 4, model: str = "bench") -> list[
 
     rows = []
     for arm in ("packed", "token_budget"):
-        rows.append(at_least(f"{arm} ≥ 1.2× hf_flatten real tokens/s", get(arm, "real_tokens_per_s"),
-                             get("hf_flatten", "real_tokens_per_s"), 1.2))
+        rows.append(
+            at_least(
+                f"{arm} ≥ 1.2× hf_flatten real tokens/s",
+                get(arm, "real_tokens_per_s"),
+                get("hf_flatten", "real_tokens_per_s"),
+                1.2,
+            )
+        )
         share = get(arm, "real_token_share")
-        rows.append((f"{arm} real-token share ≥ 0.95", None if share is None else share >= 0.95,
-                     "n/a" if share is None else f"{share:.3f}"))
+        rows.append(
+            (
+                f"{arm} real-token share ≥ 0.95",
+                None if share is None else share >= 0.95,
+                "n/a" if share is None else f"{share:.3f}",
+            )
+        )
     best = next((r["best_hf_arm"] for r in results.values() if r.get("best_hf_arm")), None)
     for arm in ("packed", "token_budget"):
-        rows.append(at_least(f"{arm} ≥ 1.2× best Trainer arm ({best}) real tokens/s", get(arm, "real_tokens_per_s"),
-                             get(best, "real_tokens_per_s"), 1.2))
-        rows.append(at_most(f"{arm} peak memory ≤ 0.8× best Trainer arm ({best})", get(arm, "peak_mem_mb"),
-                            get(best, "peak_mem_mb"), 0.8))
+        rows.append(
+            at_least(
+                f"{arm} ≥ 1.2× best Trainer arm ({best}) real tokens/s",
+                get(arm, "real_tokens_per_s"),
+                get(best, "real_tokens_per_s"),
+                1.2,
+            )
+        )
+        rows.append(
+            at_most(
+                f"{arm} peak memory ≤ 0.8× best Trainer arm ({best})",
+                get(arm, "peak_mem_mb"),
+                get(best, "peak_mem_mb"),
+                0.8,
+            )
+        )
     if model == "0.5b":
         share = get("packed", "mfu")
-        rows.append(("packed MFU ≥ 40 % (0.5b)", None if share is None else share >= 0.4,
-                     "n/a" if share is None else f"{share:.1%}"))
-    rows.append(at_least("padded ≥ 0.97× hand_loop real tokens/s", get("padded", "real_tokens_per_s"),
-                         get("hand_loop", "real_tokens_per_s"), 0.97))
-    rows.append(at_most("packed peak memory ≤ 0.8× hf_flatten", get("packed", "peak_mem_mb"),
-                        get("hf_flatten", "peak_mem_mb"), 0.8))
-    rows.append(at_most(f"packed peak memory, accumulation {accumulation} ≤ 1.1× accumulation 1",
-                        get("packed", "peak_mem_mb"), get("packed", "peak_mem_mb_accumulation_1"), 1.1))
+        rows.append(
+            (
+                "packed MFU ≥ 40 % (0.5b)",
+                None if share is None else share >= 0.4,
+                "n/a" if share is None else f"{share:.1%}",
+            )
+        )
+    rows.append(
+        at_least(
+            "padded ≥ 0.97× hand_loop real tokens/s",
+            get("padded", "real_tokens_per_s"),
+            get("hand_loop", "real_tokens_per_s"),
+            0.97,
+        )
+    )
+    rows.append(
+        at_most(
+            "packed peak memory ≤ 0.8× hf_flatten", get("packed", "peak_mem_mb"), get("hf_flatten", "peak_mem_mb"), 0.8
+        )
+    )
+    rows.append(
+        at_most(
+            f"packed peak memory, accumulation {accumulation} ≤ 1.1× accumulation 1",
+            get("packed", "peak_mem_mb"),
+            get("packed", "peak_mem_mb_accumulation_1"),
+            1.1,
+        )
+    )
     return rows
 
 
 def print_report(results: dict, memory_kind: str, header: str, accumulation: int, model: str) -> None:
     best = next((r["best_hf_arm"] for r in results.values() if r.get("best_hf_arm")), None)
-    print(f"\n{header}\npeak MiB: {memory_kind}, above the arm's start; others CPU: the share of the machine's CPU "
-          "time other processes used during the timed steps (high: wall-clock rates are not comparable); × best HF: "
-          f"over the fastest Trainer arm ({best})\n")
-    print(f"{'arm':<24}{'real tok/s':>11}{'computed tok/s':>15}{'real share':>11}{'peak MiB':>9}{'MFU':>7}"
-          f"{'× best HF tok/s':>16}{'× best HF mem':>14}{'real tok/CPU-s':>15}{'others CPU':>11}{'timed steps':>12}")
+    print(
+        f"\n{header}\npeak MiB: {memory_kind}, above the arm's start; others CPU: the share of the machine's CPU "
+        "time other processes used during the timed steps (high: wall-clock rates are not comparable); × best HF: "
+        f"over the fastest Trainer arm ({best})\n"
+    )
+    print(
+        f"{'arm':<24}{'real tok/s':>11}{'computed tok/s':>15}{'real share':>11}{'peak MiB':>9}{'MFU':>7}"
+        f"{'× best HF tok/s':>16}{'× best HF mem':>14}{'real tok/CPU-s':>15}{'others CPU':>11}{'timed steps':>12}"
+    )
 
     def ratio(value):
         return "n/a" if value is None else f"{value:.2f}"
 
     for arm, r in results.items():
-        print(f"{arm:<24}{r['real_tokens_per_s']:>11.0f}{r['computed_tokens_per_s']:>15.0f}"
-              f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}"
-              f"{'n/a' if r['mfu'] is None else format(r['mfu'], '.1%'):>7}{ratio(r['tokens_per_s_vs_best_hf']):>16}"
-              f"{ratio(r['peak_mem_vs_best_hf']):>14}{r['real_tokens_per_cpu_s']:>15.0f}"
-              f"{r['others_cpu_share']:>11.0%}{r['timed_steps']:>12}")
+        print(
+            f"{arm:<24}{r['real_tokens_per_s']:>11.0f}{r['computed_tokens_per_s']:>15.0f}"
+            f"{r['real_token_share']:>11.3f}{r['peak_mem_mb']:>9.0f}"
+            f"{'n/a' if r['mfu'] is None else format(r['mfu'], '.1%'):>7}{ratio(r['tokens_per_s_vs_best_hf']):>16}"
+            f"{ratio(r['peak_mem_vs_best_hf']):>14}{r['real_tokens_per_cpu_s']:>15.0f}"
+            f"{r['others_cpu_share']:>11.0%}{r['timed_steps']:>12}"
+        )
     if "peak_mem_mb_accumulation_1" in results.get("packed", {}):
         packed = results["packed"]
-        print(f"{'packed, accumulation 1':<24}{'':>37}{packed['peak_mem_mb_accumulation_1']:>9.0f}   (accumulating "
-              f"keeps the gradients between micro-batches: {packed['gradient_mb']:.0f} MiB)")
+        print(
+            f"{'packed, accumulation 1':<24}{'':>37}{packed['peak_mem_mb_accumulation_1']:>9.0f}   (accumulating "
+            f"keeps the gradients between micro-batches: {packed['gradient_mb']:.0f} MiB)"
+        )
     print("\ntargets:")
     for name, passed, measured in targets(results, accumulation, model):
         print(f"  {'n/a ' if passed is None else 'PASS' if passed else 'FAIL'}  {name}: {measured}")
@@ -364,23 +456,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (default 1)")
     parser.add_argument("--rounds", type=int, help="repeats of all arms, rotated order (default 2; --quick 1)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where there is one, else cpu")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                        help="autocast over fp32 weights, every arm (fp16 needs a GPU)")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="autocast over fp32 weights, every arm (fp16 needs a GPU)",
+    )
     parser.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: finetune.meter)")
-    parser.add_argument("--model", choices=tuple(MODELS), default="bench",
-                        help="bench: recipes/bench.yaml (hidden 384, 6 layers); 0.5b: 24 layers, hidden 1280; "
-                             "smollm2-135m: its config, random init; smollm2: its weights; tiny: tests")
-    parser.add_argument("--packed", choices=("sequences", "budget"), default="sequences",
-                        help="packed rows of --micro-batch sequences (as hf_flatten), or filled to the token budget")
+    parser.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="bench",
+        help="bench: recipes/bench.yaml (hidden 384, 6 layers); 0.5b: 24 layers, hidden 1280; "
+        "smollm2-135m: its config, random init; smollm2: its weights; tiny: tests",
+    )
+    parser.add_argument(
+        "--packed",
+        choices=("sequences", "budget"),
+        default="sequences",
+        help="packed rows of --micro-batch sequences (as hf_flatten), or filled to the token budget",
+    )
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--limit", type=int, help="data.limit: the first N rows only (tests)")
     parser.add_argument("--max-length", type=int, help="data.max_length (recipe: 1024; tests use less)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-others", type=float, default=0.1,
-                        help="re-run an arm when other processes used more than this share of the machine's CPU "
-                             "beyond the cores --threads leaves free, during its timed steps (default 0.1)")
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=0.1,
+        help="re-run an arm when other processes used more than this share of the machine's CPU "
+        "beyond the cores --threads leaves free, during its timed steps (default 0.1)",
+    )
     parser.add_argument("--retries", type=int, help="re-runs per arm at most (default 2; --quick 0, to stay quick)")
     parser.add_argument("--json", help="write {arm: {real_tokens_per_s, real_token_share, peak_mem_mb, …}} here")
     args = parser.parse_args(argv)
@@ -415,9 +523,12 @@ def run_arm(bench: Bench, memory: PeakMemory, arm: str, label: str, started: flo
         result = {**bench.run(arm).result(bench.args.warmup), "peak_mem_mb": memory.peak_mb()}
         attempts.append(result)
         r, elapsed = result, time.perf_counter() - started
-        print(f"  {label} {arm}: {r['real_tokens'] / r['seconds']:.0f} real tokens/s, {r['seconds']:.1f} s timed "
-              f"({r['cpu_seconds']:.1f} s CPU, others {r['others_cpu']:.0%}), peak {r['peak_mem_mb']:.0f} MiB "
-              f"[{elapsed:.0f} s]", flush=True)
+        print(
+            f"  {label} {arm}: {r['real_tokens'] / r['seconds']:.0f} real tokens/s, {r['seconds']:.1f} s timed "
+            f"({r['cpu_seconds']:.1f} s CPU, others {r['others_cpu']:.0%}), peak {r['peak_mem_mb']:.0f} MiB "
+            f"[{elapsed:.0f} s]",
+            flush=True,
+        )
         # disturbed: other processes took cores our threads needed
         spare = max(0.0, 1 - bench.args.threads / (os.cpu_count() or 1))
         if result["others_cpu"] <= spare + bench.args.max_others:

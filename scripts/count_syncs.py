@@ -30,8 +30,14 @@ from pathlib import Path
 import torch
 
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-SYNCING_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
-               "aten::_unique2", "aten::unique_consecutive")
+SYNCING_OPS = (
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+)
 
 
 def count(recipe_args: list[str], steps: int) -> dict:
@@ -60,10 +66,15 @@ def count(recipe_args: list[str], steps: int) -> dict:
     bound = micro_batches + 3  # the issue's: one per micro-batch plus three per optimizer step
     per_step = sum(cuda_calls.values()) / steps if cuda else None
     return {
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "steps": steps,
         "micro_batches_per_step": micro_batches,
-        "cuda_syncs_per_step": per_step, "cuda_syncs": cuda_calls, "syncing_ops_per_step": sum(ops.values()) / steps,
-        "syncing_ops": ops, "bound_per_step": bound, "within_bound": None if per_step is None else per_step <= bound,
+        "cuda_syncs_per_step": per_step,
+        "cuda_syncs": cuda_calls,
+        "syncing_ops_per_step": sum(ops.values()) / steps,
+        "syncing_ops": ops,
+        "bound_per_step": bound,
+        "within_bound": None if per_step is None else per_step <= bound,
         "recipe": recipe_args,
     }
 
@@ -76,11 +87,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     result = count(args.recipe, args.steps)
     cuda = result["cuda_syncs_per_step"]
-    print(f"{result['device']}: {result['micro_batches_per_step']} micro-batches per optimizer step, "
-          f"{result['steps']} steps counted")
+    print(
+        f"{result['device']}: {result['micro_batches_per_step']} micro-batches per optimizer step, "
+        f"{result['steps']} steps counted"
+    )
     if cuda is not None:
-        print(f"CUDA host syncs per optimizer step: {cuda:.1f} (bound {result['bound_per_step']}: "
-              f"{'within' if result['within_bound'] else 'ABOVE'}) {result['cuda_syncs']}")
+        print(
+            f"CUDA host syncs per optimizer step: {cuda:.1f} (bound {result['bound_per_step']}: "
+            f"{'within' if result['within_bound'] else 'ABOVE'}) {result['cuda_syncs']}"
+        )
     print(f"syncing ops per optimizer step: {result['syncing_ops_per_step']:.1f} {result['syncing_ops']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -53,15 +53,52 @@ def steps_for(out: Path, smoke: bool, cuda: bool) -> list[Step]:
     pytest = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
     steps = [Step("gpu_tier", [*pytest, "tests"], 900, "pytest", junit)]
     for precision in ("fp32", "bf16", "fp16"):
-        steps.append(Step(f"verify_{precision}", [PY, "-m", "finetune.verify", "recipe=recipes/debug.yaml",
-                                                  f"train.precision={precision}", verify_steps], 300, "verify"))
+        steps.append(
+            Step(
+                f"verify_{precision}",
+                [
+                    PY,
+                    "-m",
+                    "finetune.verify",
+                    "recipe=recipes/debug.yaml",
+                    f"train.precision={precision}",
+                    verify_steps,
+                ],
+                300,
+                "verify",
+            )
+        )
     head = [PY, "scripts/bench_loss_head.py", "--device", device, "--json", str(out / "loss_head.json")]
-    steps.append(Step("loss_head", head + (["--quick", "--precision", "fp32,bf16"] if smoke else []), 600, "json",
-                      str(out / "loss_head.json")))
+    steps.append(
+        Step(
+            "loss_head",
+            head + (["--quick", "--precision", "fp32,bf16"] if smoke else []),
+            600,
+            "json",
+            str(out / "loss_head.json"),
+        )
+    )
     bench = [PY, "scripts/benchmark.py", "--device", device, "--precision", "bf16", "--rounds", "1", "--retries", "0"]
     if smoke:
-        runs = {"tiny": ["--model", "tiny", "--quick", "--limit", "32", "--max-length", "128", "--micro-batch", "4",
-                         "--accumulation", "2", "--threads", "1", "--arms", "hf_padded,hf_flatten,token_budget,packed"]}
+        runs = {
+            "tiny": [
+                "--model",
+                "tiny",
+                "--quick",
+                "--limit",
+                "32",
+                "--max-length",
+                "128",
+                "--micro-batch",
+                "4",
+                "--accumulation",
+                "2",
+                "--threads",
+                "1",
+                "--arms",
+                "hf_padded,hf_flatten,token_budget,packed",
+            ]
+        }
     else:
         sizes = ["--micro-batch", "32", "--steps", "5", "--packed", "budget"]
         runs = {"0.5b": ["--model", "0.5b", *sizes], "smollm2-135m": ["--model", "smollm2-135m", *sizes]}
@@ -69,9 +106,25 @@ def steps_for(out: Path, smoke: bool, cuda: bool) -> list[Step]:
         path = str(out / f"benchmark_{model}.json")
         steps.append(Step(f"benchmark_{model}", [*bench, *extra, "--json", path], 900, "json", path))
     syncs = str(out / "host_syncs.json")
-    steps.append(Step("host_syncs", [PY, "scripts/count_syncs.py", "--steps", "2" if smoke else "5", "--json", syncs,
-                                     "recipe=recipes/debug.yaml", "train.precision=bf16", "data.batching=packed"],
-                      300, "json", syncs))
+    steps.append(
+        Step(
+            "host_syncs",
+            [
+                PY,
+                "scripts/count_syncs.py",
+                "--steps",
+                "2" if smoke else "5",
+                "--json",
+                syncs,
+                "recipe=recipes/debug.yaml",
+                "train.precision=bf16",
+                "data.batching=packed",
+            ],
+            300,
+            "json",
+            syncs,
+        )
+    )
     return steps
 
 
@@ -88,8 +141,12 @@ def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[st
         suite = ET.parse(step.output).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        figures = {"collected": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
-                   "failed": n["failures"] + n["errors"], "skipped": n["skipped"]}
+        figures = {
+            "collected": n["tests"],
+            "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+            "failed": n["failures"] + n["errors"],
+            "skipped": n["skipped"],
+        }
         if returncode == 5:  # pytest: no test collected
             return ("failed" if cuda else "skipped"), figures, "no test is marked gpu"
         return ("passed" if returncode == 0 else "failed"), figures, None
@@ -97,13 +154,21 @@ def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[st
         if returncode == 2 and not cuda and "needs a GPU" in text:
             reason = next(line for line in text.splitlines() if "needs a GPU" in line).strip()
             return "skipped", {}, reason
-        found = re.search(r"verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\), largest micro-batch "
-                          r"weight deviation (\S+) \(tolerance (\S+)\)", text)
+        found = re.search(
+            r"verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\), largest micro-batch "
+            r"weight deviation (\S+) \(tolerance (\S+)\)",
+            text,
+        )
         if not found:
             return "failed", {}, f"no verify verdict in the output (exit {returncode})"
         verdict, error, tolerance, weight, weight_tolerance = found.groups()
-        figures = {"verdict": verdict, "relative_error": float(error), "tolerance": float(tolerance),
-                   "weight_deviation": float(weight), "weight_tolerance": float(weight_tolerance)}
+        figures = {
+            "verdict": verdict,
+            "relative_error": float(error),
+            "tolerance": float(tolerance),
+            "weight_deviation": float(weight),
+            "weight_tolerance": float(weight_tolerance),
+        }
         return ("passed" if returncode == 0 and verdict == "PASS" else "failed"), figures, None
     if returncode != 0:
         return "failed", {}, f"exit status {returncode}"
@@ -113,9 +178,14 @@ def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[st
 
 
 def run_step(step: Step, logs: Path, cuda: bool) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
-               p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
     started = time.perf_counter()
     try:
@@ -133,9 +203,16 @@ def run_step(step: Step, logs: Path, cuda: bool) -> None:
             status, figures, reason = read_figures(step, text, returncode, cuda)
         except (OSError, ValueError, ET.ParseError, StopIteration) as e:
             status, figures, reason = "failed", {}, f"its output could not be read ({e})"
-    step.result = {"name": step.name, "command": shown(step.command), "status": status, "reason": reason,
-                   "returncode": returncode, "wall_s": round(wall, 1), "log": f"logs/{step.name}.log",
-                   "figures": figures}
+    step.result = {
+        "name": step.name,
+        "command": shown(step.command),
+        "status": status,
+        "reason": reason,
+        "returncode": returncode,
+        "wall_s": round(wall, 1),
+        "log": f"logs/{step.name}.log",
+        "figures": figures,
+    }
     print(f"[gpu_check] {step.name}: {status}{f' ({reason})' if reason else ''} in {wall:.0f} s", flush=True)
 
 
@@ -147,24 +224,34 @@ def environment() -> dict:
     cuda = torch.cuda.is_available()
     try:
         import flash_attn
+
         flash = flash_attn.__version__
     except ImportError:
         flash = None
     try:
         from torch.nn.attention import varlen  # noqa: F401
+
         has_varlen = True
     except ImportError:
         has_varlen = False
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return {
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
-                                                            f"{os.cpu_count()} cores)",
-        "cuda": torch.version.cuda if cuda else None, "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "accelerate": accelerate.__version__, "flash_attn": flash,
-        "varlen_attn": has_varlen, "linear_cross_entropy": hasattr(torch.nn.functional, "linear_cross_entropy"),
-        "commit": (commit + (" (with uncommitted changes)" if dirty else "")) or None, "host": platform.node(),
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "cuda": torch.version.cuda if cuda else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "flash_attn": flash,
+        "varlen_attn": has_varlen,
+        "linear_cross_entropy": hasattr(torch.nn.functional, "linear_cross_entropy"),
+        "commit": (commit + (" (with uncommitted changes)" if dirty else "")) or None,
+        "host": platform.node(),
     }
 
 
@@ -172,8 +259,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for report.md, report.json, the logs and step outputs")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU: the same steps in a few minutes")
-    parser.add_argument("--only", help="comma-separated step names (default: all); the steps of an earlier report in "
-                                       "--out that are not run again stay in it (split a run over several commands)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated step names (default: all); the steps of an earlier report in "
+        "--out that are not run again stay in it (split a run over several commands)",
+    )
     args = parser.parse_args(argv)
     import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
     from gpu_report import write_report  # beside this script
@@ -182,16 +272,19 @@ def main(argv: list[str]) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print("[gpu_check] no CUDA device: the full-size steps need one; --smoke runs them at toy size on a CPU",
-              file=sys.stderr)
+        print(
+            "[gpu_check] no CUDA device: the full-size steps need one; --smoke runs them at toy size on a CPU",
+            file=sys.stderr,
+        )
         return 2
     steps = steps_for(out, args.smoke, cuda)
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {s.name for s in steps}
         if unknown:
-            parser.error(f"unknown step(s) {', '.join(sorted(unknown))}; choose from "
-                         f"{', '.join(s.name for s in steps)}")
+            parser.error(
+                f"unknown step(s) {', '.join(sorted(unknown))}; choose from {', '.join(s.name for s in steps)}"
+            )
         steps = [s for s in steps if s.name in wanted]
     order = [s.name for s in steps_for(out, args.smoke, cuda)]
     started = time.perf_counter()
@@ -206,14 +299,21 @@ def main(argv: list[str]) -> int:
         if previous.get("smoke") == args.smoke:
             results = {**{s["name"]: s for s in previous["steps"]}, **results}
             commands = [*previous.get("commands", [previous.get("command")]), command]
-    report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands),
-              "commands": commands, "wall_s": round(time.perf_counter() - started, 1),
-              "steps": [results[name] for name in order if name in results]}
+    report = {
+        "environment": environment(),
+        "smoke": args.smoke,
+        "command": " && ".join(commands),
+        "commands": commands,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "steps": [results[name] for name in order if name in results],
+    }
     earlier.write_text(json.dumps(report, indent=2) + "\n")
     write_report(report, out / "report.md")
     failed = [name for name, r in results.items() if r["status"] == "failed"]
-    print(f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "
-          f"skipped{'; failed: ' + ', '.join(failed) if failed else ''}")
+    print(
+        f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "
+        f"skipped{'; failed: ' + ', '.join(failed) if failed else ''}"
+    )
     return 1 if failed else 0
 
 

@@ -18,45 +18,98 @@ def _verify(steps: list[dict]) -> list[str]:
     rows = []
     for s in steps:
         f = s["figures"]
-        rows.append([s["name"].removeprefix("verify_"), s["status"], f.get("verdict", s["reason"] or ""),
-                     _fmt(f.get("relative_error"), ".2e"), _fmt(f.get("tolerance"), "g"),
-                     _fmt(f.get("weight_deviation"), ".1e"), f"`{s['command']}`"])
-    return ["## Exactness: verify against float64", "",
-            *_table(["precision", "status", "verdict", "relative error", "tolerance", "weight deviation", "command"],
-                    rows), ""]
+        rows.append(
+            [
+                s["name"].removeprefix("verify_"),
+                s["status"],
+                f.get("verdict", s["reason"] or ""),
+                _fmt(f.get("relative_error"), ".2e"),
+                _fmt(f.get("tolerance"), "g"),
+                _fmt(f.get("weight_deviation"), ".1e"),
+                f"`{s['command']}`",
+            ]
+        )
+    return [
+        "## Exactness: verify against float64",
+        "",
+        *_table(["precision", "status", "verdict", "relative error", "tolerance", "weight deviation", "command"], rows),
+        "",
+    ]
 
 
 def _gpu_tier(s: dict) -> list[str]:
     f = s["figures"]
     counts = ", ".join(f"{k} {f[k]}" for k in ("collected", "passed", "failed", "skipped") if k in f)
-    return ["## GPU tier (`pytest -m gpu`)", "", f"{s['status']}: {counts or s['reason']}", "",
-            f"command: `{s['command']}`", ""]
+    return [
+        "## GPU tier (`pytest -m gpu`)",
+        "",
+        f"{s['status']}: {counts or s['reason']}",
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
 
 
 def _loss_head(s: dict) -> list[str]:
     f = s["figures"]
     if not f:
         return []
-    rows = [[str(r["vocab"]), str(r["hidden"]), str(r["tokens"]), r["precision"], r["arm"], f"{r['ms']:.1f}",
-             f"{r['peak_mib']:.0f}", f"{r['loss_error']:.1e}", f"{r['grad_hidden_error']:.1e}",
-             f"{r['grad_weight_error']:.1e}"] for r in f["rows"]]
-    return ["## Loss head: forward + backward", "", f"{f['device']}; peak: {f['memory']}", "",
-            *_table(["vocab", "hidden", "tokens", "precision", "arm", "ms", "peak MiB", "loss err", "dh err",
-                     "dW err"], rows), "", f"command: `{s['command']}`", ""]
+    rows = [
+        [
+            str(r["vocab"]),
+            str(r["hidden"]),
+            str(r["tokens"]),
+            r["precision"],
+            r["arm"],
+            f"{r['ms']:.1f}",
+            f"{r['peak_mib']:.0f}",
+            f"{r['loss_error']:.1e}",
+            f"{r['grad_hidden_error']:.1e}",
+            f"{r['grad_weight_error']:.1e}",
+        ]
+        for r in f["rows"]
+    ]
+    return [
+        "## Loss head: forward + backward",
+        "",
+        f"{f['device']}; peak: {f['memory']}",
+        "",
+        *_table(
+            ["vocab", "hidden", "tokens", "precision", "arm", "ms", "peak MiB", "loss err", "dh err", "dW err"], rows
+        ),
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
 
 
 def _benchmark(s: dict) -> list[str]:
     f = s["figures"]
     if not f:
         return []
-    rows = [[arm, f"{r['real_tokens_per_s']:.0f}", _fmt(r.get("mfu"), ".1%"), f"{r['peak_mem_mb']:.0f}",
-             _fmt(r.get("tokens_per_s_vs_best_hf"), ".2f"), _fmt(r.get("peak_mem_vs_best_hf"), ".2f"),
-             f"{r['real_token_share']:.3f}"] for arm, r in f.items()]
+    rows = [
+        [
+            arm,
+            f"{r['real_tokens_per_s']:.0f}",
+            _fmt(r.get("mfu"), ".1%"),
+            f"{r['peak_mem_mb']:.0f}",
+            _fmt(r.get("tokens_per_s_vs_best_hf"), ".2f"),
+            _fmt(r.get("peak_mem_vs_best_hf"), ".2f"),
+            f"{r['real_token_share']:.3f}",
+        ]
+        for arm, r in f.items()
+    ]
     best = next((r.get("best_hf_arm") for r in f.values() if r.get("best_hf_arm")), None)
-    return [f"## Training throughput: {s['name'].removeprefix('benchmark_')}", "",
-            f"ratios over the fastest Trainer arm ({best})", "",
-            *_table(["arm", "real tok/s", "MFU", "peak MiB", "× best HF tok/s", "× best HF mem", "real share"], rows),
-            "", f"command: `{s['command']}`", ""]
+    return [
+        f"## Training throughput: {s['name'].removeprefix('benchmark_')}",
+        "",
+        f"ratios over the fastest Trainer arm ({best})",
+        "",
+        *_table(["arm", "real tok/s", "MFU", "peak MiB", "× best HF tok/s", "× best HF mem", "real share"], rows),
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
 
 
 def _syncs(s: dict) -> list[str]:
@@ -64,24 +117,43 @@ def _syncs(s: dict) -> list[str]:
     if not f:
         return []
     cuda = f["cuda_syncs_per_step"]
-    lines = ["## Host syncs per optimizer step", "",
-             f"{f['device']}, {f['micro_batches_per_step']} micro-batches per step, {f['steps']} steps counted", ""]
+    lines = [
+        "## Host syncs per optimizer step",
+        "",
+        f"{f['device']}, {f['micro_batches_per_step']} micro-batches per step, {f['steps']} steps counted",
+        "",
+    ]
     if cuda is not None:
-        lines.append(f"- CUDA runtime syncs: {cuda:.1f} per step (bound {f['bound_per_step']}: "
-                     f"{'within' if f['within_bound'] else 'above'}); {f['cuda_syncs']}")
-    lines += [f"- syncing aten ops: {f['syncing_ops_per_step']:.1f} per step; {f['syncing_ops']}", "",
-              f"command: `{s['command']}`", ""]
+        lines.append(
+            f"- CUDA runtime syncs: {cuda:.1f} per step (bound {f['bound_per_step']}: "
+            f"{'within' if f['within_bound'] else 'above'}); {f['cuda_syncs']}"
+        )
+    lines += [
+        f"- syncing aten ops: {f['syncing_ops_per_step']:.1f} per step; {f['syncing_ops']}",
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
     return lines
 
 
 def write_report(report: dict, path: Path) -> None:
     env, steps = report["environment"], report["steps"]
-    lines = [f"# GPU check{' (smoke, toy sizes)' if report['smoke'] else ''}", "",
-             f"command: `{report['command']}`, {report['wall_s']:.0f} s", "",
-             *_table(["", ""], [[k, str(v)] for k, v in env.items()]), "", "## Steps", "",
-             *_table(["step", "status", "wall s", "reason", "command"],
-                     [[s["name"], s["status"], f"{s['wall_s']:.0f}", s["reason"] or "", f"`{s['command']}`"]
-                      for s in steps]), ""]
+    lines = [
+        f"# GPU check{' (smoke, toy sizes)' if report['smoke'] else ''}",
+        "",
+        f"command: `{report['command']}`, {report['wall_s']:.0f} s",
+        "",
+        *_table(["", ""], [[k, str(v)] for k, v in env.items()]),
+        "",
+        "## Steps",
+        "",
+        *_table(
+            ["step", "status", "wall s", "reason", "command"],
+            [[s["name"], s["status"], f"{s['wall_s']:.0f}", s["reason"] or "", f"`{s['command']}`"] for s in steps],
+        ),
+        "",
+    ]
     by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
     verify = [s for s in steps if s["name"].startswith("verify_")]
     for s in steps:

@@ -24,8 +24,13 @@ PANELS = (  # (title, [(log key, label, style)])
     ("loss (token mean over the window)", [("loss", "loss", "-")]),
     ("learning rate", [("learning_rate", "learning rate", "-")]),
     ("gradient norm before clipping", [("grad_norm", "grad norm", "-")]),
-    ("tokens/s (all ranks)", [("real_tokens_per_s", "real tokens/s", "-"),
-                              ("computed_tokens_per_s", "computed tokens/s (with padding)", "--")]),
+    (
+        "tokens/s (all ranks)",
+        [
+            ("real_tokens_per_s", "real tokens/s", "-"),
+            ("computed_tokens_per_s", "computed tokens/s (with padding)", "--"),
+        ],
+    ),
 )
 EVAL_SERIES = {  # panel index → (key of an evaluation's entry, label, style): drawn over the step series
     0: ("eval_loss", "eval loss (held out, token mean of the eval set)", "--"),
@@ -45,8 +50,9 @@ def state_file(output_dir: str) -> str:
     checkpoints = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
     if checkpoints:  # a run in progress: its newest checkpoint
         return max(checkpoints, key=lambda p: int(re.search(r"checkpoint-(\d+)", p).group(1)))
-    raise PlotError(f"{output_dir}: no trainer_state.json (nor checkpoint-N/trainer_state.json); give a run's "
-                    "train.output_dir")
+    raise PlotError(
+        f"{output_dir}: no trainer_state.json (nor checkpoint-N/trainer_state.json); give a run's train.output_dir"
+    )
 
 
 def load_history(output_dir: str) -> tuple[str, list[dict]]:
@@ -118,8 +124,15 @@ def figure(steps: list[dict], title: str, evals: list[dict] = ()):
             ax.legend(fontsize=8)
         if not drawn:
             keys = " / ".join(key for key, _, _ in series)
-            ax.text(0.5, 0.5, f"not logged in this run\n({keys})", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                f"not logged in this run\n({keys})",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
         ax.set_title(panel_title, fontsize=10)
         ax.grid(True, alpha=0.3)
     for ax in axes[1]:

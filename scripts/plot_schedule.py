@@ -42,8 +42,13 @@ def plot(lrs: list[float], title: str, out: str) -> None:
     ax.plot(steps, lrs, marker="." if len(lrs) <= 200 else None, linewidth=1.5)
     peak = max(range(len(lrs)), key=lrs.__getitem__)
     ax.axvline(peak + 1, color="grey", linestyle=":", linewidth=1)
-    ax.annotate(f"peak {format_lr(lrs[peak])} at step {peak + 1}", (peak + 1, lrs[peak]), textcoords="offset points",
-                xytext=(6, -12), fontsize=9)
+    ax.annotate(
+        f"peak {format_lr(lrs[peak])} at step {peak + 1}",
+        (peak + 1, lrs[peak]),
+        textcoords="offset points",
+        xytext=(6, -12),
+        fontsize=9,
+    )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
     ax.set_title(title, fontsize=10)
@@ -77,8 +82,10 @@ def main(argv: list[str]) -> int:
         return 2
     print(startup_line(cfg, ranks, accumulation, total))
     recipe = os.path.basename(cfg.recipe) if cfg.recipe else "defaults"
-    title = (f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"
-             f" × accumulation {accumulation}")
+    title = (
+        f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"
+        f" × accumulation {accumulation}"
+    )
     plot(lrs, title, out)
     print(f"lr: first {format_lr(lrs[0])}, peak {format_lr(max(lrs))}, last {format_lr(lrs[-1])}; wrote {out}")
     return 0

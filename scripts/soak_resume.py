@@ -38,7 +38,9 @@ MODES = {
     "padded": [],
     "length_grouped": ["data.batching=length_grouped"],
     "token_budget": [
-        "data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"
+        "data.batching=token_budget",
+        "data.max_tokens_per_micro_batch=128",
+        "train.global_batch_tokens=256",
     ],
     "packed": ["data.batching=packed"],
     "streamed": ["data.streaming=true"],  # one endless pass: its position is skipped again at resume
@@ -50,9 +52,17 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 def command(mode: str, out: Path, steps: int, rows: int, ranks: int = 1) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     return [
-        *(launcher if ranks > 1 else [sys.executable]), "finetune/train.py", "recipe=recipes/debug.yaml",
-        f"data.limit={rows}", "data.max_length=64", f"train.max_steps={steps}", "train.save_steps=1",
-        "log.wandb_mode=disabled", *MODES[mode], f"train.output_dir={out}", "train.resume_from=auto",
+        *(launcher if ranks > 1 else [sys.executable]),
+        "finetune/train.py",
+        "recipe=recipes/debug.yaml",
+        f"data.limit={rows}",
+        "data.max_length=64",
+        f"train.max_steps={steps}",
+        "train.save_steps=1",
+        "log.wandb_mode=disabled",
+        *MODES[mode],
+        f"train.output_dir={out}",
+        "train.resume_from=auto",
     ]
 
 
@@ -81,11 +91,16 @@ class Segment:
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled",
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": str(ROOT),
+    }
     # its own process group: a kill -9 reaches the launcher and every rank at once, as a lost machine does
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
@@ -180,8 +195,9 @@ def run_segment(
     wait_gone(ranks)
     if segment.kill is None and proc.returncode != 0:
         sys.exit(f"a resumed run failed (exit {proc.returncode}); see {log}")
-    if segment.kill and kill == "sigterm" and "stopped by SIGTERM" in log.read_text() and proc.returncode not in (
-            0, 1):  # 1: torchrun's own code after its ranks saved and exited 0
+    if (
+        segment.kill and kill == "sigterm" and "stopped by SIGTERM" in log.read_text() and proc.returncode not in (0, 1)
+    ):  # 1: torchrun's own code after its ranks saved and exited 0
         sys.exit(f"a run stopped by SIGTERM exited {proc.returncode}; see {log}")
     match = re.search(r"^resuming from (.+)$", log.read_text(), re.M)
     segment.resumed_from = match.group(1).strip() if match else None

@@ -28,8 +28,16 @@ TAGS = 5
 def tiny_bert(head, seed: int = 0, **extra):
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0, **extra,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+        **extra,
     )
     return head(config)
 
@@ -44,8 +52,18 @@ def tiny_masked_lm(seed: int = 0):
 
 def tiny_t5(seed: int = 0):
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return T5ForConditionalGeneration(config)
 
 
@@ -54,8 +72,19 @@ def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -84,8 +113,13 @@ def masked_rows(n: int, seed: int = 0) -> list[dict]:
 def seq2seq_rows(n: int, seed: int = 0) -> list[dict]:
     """Encoder tokens and decoder labels of unrelated lengths (labels only: the model makes its decoder inputs)."""
     rng = random.Random(seed)
-    return [{"input_ids": [rng.randrange(2, VOCAB) for _ in range(rng.randint(3, 20))],
-             "labels": [rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 12))]} for _ in range(n)]
+    return [
+        {
+            "input_ids": [rng.randrange(2, VOCAB) for _ in range(rng.randint(3, 20))],
+            "labels": [rng.randrange(2, VOCAB) for _ in range(rng.randint(2, 12))],
+        }
+        for _ in range(n)
+    ]
 
 
 class PadEachCollator(RecordingCollator):
@@ -130,8 +164,9 @@ class Kind:
 KINDS = {
     "causal_lm": Kind(tiny_llama, ragged_rows, logits_alone, True, "causal_lm"),
     "gpt2": Kind(tiny_gpt2, ragged_rows, logits_alone, True, "causal_lm"),
-    "mean_loss_module": Kind(MeanLossLM, ragged_rows, lambda m, s: m(torch.as_tensor(s["input_ids"])[None])["logits"],
-                             True, "causal_lm"),
+    "mean_loss_module": Kind(
+        MeanLossLM, ragged_rows, lambda m, s: m(torch.as_tensor(s["input_ids"])[None])["logits"], True, "causal_lm"
+    ),
     "token_classification": Kind(tiny_token_classifier, tagged_rows, logits_alone, False, "token"),
     "masked_lm": Kind(tiny_masked_lm, masked_rows, logits_alone, False, "token"),
     "seq2seq": Kind(tiny_t5, seq2seq_rows, decoder_logits_alone, False, "seq2seq"),

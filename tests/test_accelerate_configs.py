@@ -72,8 +72,12 @@ def test_deepspeed_batch_and_clipping_come_from_the_recipe(name, monkeypatch):
         monkeypatch.setenv(key, value)
     plugin = DeepSpeedPlugin()
     ds = plugin.deepspeed_config
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         assert ds[key] == "auto", key
     assert "optimizer" not in ds and "scheduler" not in ds
     stage = 3 if name == "zero3" else 2
@@ -89,9 +93,19 @@ def test_deepspeed_batch_and_clipping_come_from_the_recipe(name, monkeypatch):
     cfg = load_config([*DEBUG, "train.global_batch_size=32", "train.max_grad_norm=0.7", "train.precision=bf16"])
     plugin.set_mixed_precision("bf16")  # as TrainingArguments does with the recipe's precision
     args = SimpleNamespace(
-        world_size=2, per_device_train_batch_size=cfg.train.micro_batch_size, gradient_accumulation_steps=4,
-        max_grad_norm=cfg.train.max_grad_norm, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, weight_decay=0.0, save_on_each_node=False, fp16=False, bf16=True, fp16_full_eval=False,
+        world_size=2,
+        per_device_train_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=4,
+        max_grad_norm=cfg.train.max_grad_norm,
+        learning_rate=1e-3,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        save_on_each_node=False,
+        fp16=False,
+        bf16=True,
+        fp16_full_eval=False,
         bf16_full_eval=False,
     )
     filled = filled_type(ds)
@@ -105,8 +119,11 @@ def test_deepspeed_batch_and_clipping_come_from_the_recipe(name, monkeypatch):
 
 def test_mixed_precision_that_contradicts_the_recipe_says_which_to_change():
     env = {"ACCELERATE_MIXED_PRECISION": "bf16"}
-    with pytest.raises(RecipeError, match=r"mixed_precision=bf16 but the recipe has train.precision=fp32; pass "
-                                          r"train.precision=bf16, or remove mixed_precision"):
+    with pytest.raises(
+        RecipeError,
+        match=r"mixed_precision=bf16 but the recipe has train.precision=fp32; pass "
+        r"train.precision=bf16, or remove mixed_precision",
+    ):
         check_launch(load_config(DEBUG), env)
     with pytest.raises(RecipeError, match=r"mixed_precision=fp16 .* train.precision=bf16"):
         check_launch(load_config([*DEBUG, "train.precision=bf16"]), {"ACCELERATE_MIXED_PRECISION": "fp16"})
@@ -116,8 +133,11 @@ def test_mixed_precision_that_contradicts_the_recipe_says_which_to_change():
 
 def test_a_rank_count_that_does_not_divide_the_global_batch_names_the_numbers(monkeypatch):
     cfg = load_config(DEBUG)
-    with pytest.raises(RecipeError, match=r"train.global_batch_size=8 is not divisible by train.micro_batch_size=4 "
-                                          r"× 3 ranks = 12; set train.global_batch_size to a multiple of 12"):
+    with pytest.raises(
+        RecipeError,
+        match=r"train.global_batch_size=8 is not divisible by train.micro_batch_size=4 "
+        r"× 3 ranks = 12; set train.global_batch_size to a multiple of 12",
+    ):
         check_launch(cfg, {"WORLD_SIZE": "3"})
     monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets in every rank: load_config already refuses
     with pytest.raises(RecipeError, match=r"× 3 ranks = 12"):
@@ -133,8 +153,12 @@ def write_json(tmp_path, data) -> str:
 def test_hard_coded_deepspeed_values_that_disagree_name_both_keys(tmp_path):
     cfg = load_config(DEBUG)  # 1 rank: micro 4 × accumulation 2 = 8
     ds = {
-        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto",
-        "gradient_clipping": 0.5, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW"},
+        "bf16": {"enabled": True},
         "zero_optimization": {"stage": 2},
     }
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, ds)}
@@ -143,7 +167,7 @@ def test_hard_coded_deepspeed_values_that_disagree_name_both_keys(tmp_path):
     message = str(error.value)
     assert "DeepSpeed train_batch_size=16" in message and "train.global_batch_size=8" in message
     assert "DeepSpeed gradient_clipping=0.5" in message and "train.max_grad_norm=1.0" in message
-    assert "\"optimizer\" section" in message and "optim.*" in message
+    assert '"optimizer" section' in message and "optim.*" in message
     assert "DeepSpeed bf16.enabled=true" in message and "train.precision=fp32" in message
     assert "train_micro_batch_size_per_gpu" not in message  # 4 agrees with train.micro_batch_size
     assert "\n" not in message  # one line
@@ -152,15 +176,29 @@ def test_hard_coded_deepspeed_values_that_disagree_name_both_keys(tmp_path):
 def test_accumulation_from_the_accelerate_config_must_match_the_recipe(tmp_path):
     cfg = load_config([*DEBUG, "train.global_batch_size=32"])
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1", "WORLD_SIZE": "2"}
-    with pytest.raises(RecipeError, match=r"DeepSpeed gradient_accumulation_steps=1 in the accelerate config "
-                                          r"\(deepspeed_config\) disagrees with the recipe's 4 \(from "
-                                          r"train.global_batch_size over 2 ranks"):
+    with pytest.raises(
+        RecipeError,
+        match=r"DeepSpeed gradient_accumulation_steps=1 in the accelerate config "
+        r"\(deepspeed_config\) disagrees with the recipe's 4 \(from "
+        r"train.global_batch_size over 2 ranks",
+    ):
         check_launch(cfg, env)
     check_launch(cfg, {**env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
-    auto = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
-    check_launch(cfg, {**env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "auto",
-                       "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, auto)})
+    auto = {
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3},
+    }
+    check_launch(
+        cfg,
+        {
+            **env,
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "auto",
+            "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, auto),
+        },
+    )
 
 
 def test_a_missing_deepspeed_file_is_named():
@@ -173,8 +211,9 @@ def test_sync_each_batch_reaches_the_accelerator():
     from transformers import TrainingArguments
 
     cfg = load_config([*DEBUG, "train.sync_each_batch=true"])
-    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
-                             accelerator_config=accelerator_config(cfg))
+    args = TrainingArguments(
+        output_dir="unused", use_cpu=True, report_to=[], accelerator_config=accelerator_config(cfg)
+    )
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
 
@@ -182,8 +221,19 @@ def test_sync_each_batch_reaches_the_accelerator():
 @pytest.mark.distributed
 def test_the_launched_error_is_one_line_and_exit_code_2(tmp_path):
     """Through the real launcher: 2 CPU ranks, ddp.yaml, --mixed_precision bf16 against an fp32 recipe."""
-    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "ddp.yaml"), "--num_processes", "2",
-           "--mixed_precision", "bf16", "finetune/train.py", *DEBUG, f"train.output_dir={tmp_path / 'run'}"]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(CONFIGS / "ddp.yaml"),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "bf16",
+        "finetune/train.py",
+        *DEBUG,
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
@@ -218,8 +268,11 @@ def test_a_planned_micro_batch_leaves_only_the_batch_keys_unchecked(tmp_path):
     cfg = load_config(DEBUG)
     cfg.train.micro_batch_size = "auto"
     ds = {"train_batch_size": 16, "gradient_clipping": 0.5, "zero_optimization": {"stage": 2}}
-    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, ds),
-           "WORLD_SIZE": "3"}
+    env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, ds),
+        "WORLD_SIZE": "3",
+    }
     with pytest.raises(RecipeError) as error:
         check_launch(cfg, env)
     assert "gradient_clipping=0.5" in str(error.value) and "train_batch_size" not in str(error.value)

@@ -56,7 +56,7 @@ def test_no_module_level_import_circle():
         stack.append(name)
         for child in sorted(graph[name]):
             if state.get(child) == "open":
-                raise AssertionError("import circle: " + " → ".join([*stack[stack.index(child):], child]))
+                raise AssertionError("import circle: " + " → ".join([*stack[stack.index(child) :], child]))
             if child not in state:
                 visit(child)
         stack.pop()
@@ -69,15 +69,22 @@ def test_no_module_level_import_circle():
 
 def test_nothing_imports_an_entry_script():
     sources = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
-    offenders = [f"{path.relative_to(ROOT)} imports {name}" for path in sources
-                 for name in imported(path, top_level_only=False) & ENTRY_SCRIPTS]
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sources
+        for name in imported(path, top_level_only=False) & ENTRY_SCRIPTS
+    ]
     assert offenders == []
 
 
 def test_the_tools_are_used_by_nothing_in_the_package_but_the_entry_scripts_and_each_other():
-    users = [f"{name} imports {other}" for name, path in modules().items()
-             if not name.startswith("finetune.tools") and name not in ENTRY_SCRIPTS
-             for other in imported(path, top_level_only=False) if other.startswith("finetune.tools")]
+    users = [
+        f"{name} imports {other}"
+        for name, path in modules().items()
+        if not name.startswith("finetune.tools") and name not in ENTRY_SCRIPTS
+        for other in imported(path, top_level_only=False)
+        if other.startswith("finetune.tools")
+    ]
     assert users == []
 
 
@@ -88,24 +95,38 @@ def test_every_sub_package_says_what_it_owns_and_what_it_may_import():
 
 
 def test_sub_package_modules_stay_small():
-    long = [f"{path.relative_to(ROOT)}: {n} lines" for name in SUB_PACKAGES for path in (PACKAGE / name).glob("*.py")
-            if (n := len(path.read_text().splitlines())) > 300]
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for name in SUB_PACKAGES
+        for path in (PACKAGE / name).glob("*.py")
+        if (n := len(path.read_text().splitlines())) > 300
+    ]
     assert long == []
 
 
 def test_the_process_environment_is_read_in_finetune_env_only():
     names = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FINETUNE_CACHE"}
-    readers = [f"{path.relative_to(ROOT)}:{node.lineno} {node.value}" for path in PACKAGE.rglob("*.py")
-               if path.name != "env.py" for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.Constant) and node.value in names]
+    readers = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.value}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "env.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
     assert readers == []
 
 
 def test_the_ignore_index_is_written_once():
-    literals = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in PACKAGE.rglob("*.py") if path.name != "labels.py"
-                for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
-                and isinstance(node.operand, ast.Constant) and node.operand.value == 100]
+    literals = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "labels.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and node.operand.value == 100
+    ]
     assert literals == [], "use finetune.labels.IGNORE_INDEX"
 
 
@@ -114,8 +135,11 @@ def test_scripts_import_nothing_from_tests_and_edit_no_import_path():
     for path in (ROOT / "scripts").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             problems += [f"{path.name}: imports {n}" for n in names if n == "tests" or n.startswith("tests.")]
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append"):
                 problems.append(f"{path.name}:{node.lineno}: edits sys.path")

@@ -47,32 +47,63 @@ def streamed(tok, source, **kw):
 
 
 ROWS = [
-    ("role misspelt", turns(("user", "q"), ("assitant", "a")),
-     r"messages\[2\]\.role='assitant' is not a chat role \(system, user, assistant\); did you mean 'assistant'\?"),
+    (
+        "role misspelt",
+        turns(("user", "q"), ("assitant", "a")),
+        r"messages\[2\]\.role='assitant' is not a chat role \(system, user, assistant\); did you mean 'assistant'\?",
+    ),
     ("role unknown", turns(("user", "q"), ("bot", "a")), r"messages\[2\]\.role='bot' is not a chat role"),
-    ("tool role, template without tools", turns(("user", "q"), ("tool", "r"), ("assistant", "a")),
-     r"messages\[2\]\.role='tool' is not a chat role"),
-    ("two user turns", turns(("user", "q"), ("user", "q2"), ("assistant", "a")),
-     r"messages\[2\] is a second user turn in a row; turns alternate user, assistant, user, … \(merge the two\)"),
-    ("two assistant turns", turns(("user", "q"), ("assistant", "a"), ("assistant", "b")),
-     r"messages\[3\] is a second assistant turn in a row"),
-    ("assistant first", turns(("assistant", "a"), ("user", "q"), ("assistant", "b")),
-     r"messages\[1\] is an assistant turn before any user turn; a conversation starts with a user turn"),
-    ("assistant after system", turns(("system", "s"), ("assistant", "a")),
-     r"messages\[2\] is an assistant turn before"),
-    ("system in the middle", turns(("user", "q"), ("system", "s"), ("assistant", "a")),
-     r"messages\[2\] is a system turn after the first turn; a system turn can only come first"),
-    ("a key twice", '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
-                    '"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}',
-     r"key 'messages' appears twice in one object \(JSON would keep only the last\); remove one"),
-    ("a key twice in a message", '{"messages": [{"role": "user", "content": "a", "content": "z"}, '
-                                 '{"role": "assistant", "content": "b"}]}', r"key 'content' appears twice"),
-    ("lone surrogate in content", '{"messages": [{"role": "user", "content": "a\\ud800b"}, '
-                                  '{"role": "assistant", "content": "c"}]}',
-     r"messages\[1\]\.content holds a lone surrogate \('\\ud800' at character 2\), which is not text"),
-    ("lone surrogate in a role", '{"messages": [{"role": "us\\udc80er", "content": "a"}, '
-                                 '{"role": "assistant", "content": "c"}]}',
-     r"messages\[1\]\.role holds a lone surrogate"),
+    (
+        "tool role, template without tools",
+        turns(("user", "q"), ("tool", "r"), ("assistant", "a")),
+        r"messages\[2\]\.role='tool' is not a chat role",
+    ),
+    (
+        "two user turns",
+        turns(("user", "q"), ("user", "q2"), ("assistant", "a")),
+        r"messages\[2\] is a second user turn in a row; turns alternate user, assistant, user, … \(merge the two\)",
+    ),
+    (
+        "two assistant turns",
+        turns(("user", "q"), ("assistant", "a"), ("assistant", "b")),
+        r"messages\[3\] is a second assistant turn in a row",
+    ),
+    (
+        "assistant first",
+        turns(("assistant", "a"), ("user", "q"), ("assistant", "b")),
+        r"messages\[1\] is an assistant turn before any user turn; a conversation starts with a user turn",
+    ),
+    (
+        "assistant after system",
+        turns(("system", "s"), ("assistant", "a")),
+        r"messages\[2\] is an assistant turn before",
+    ),
+    (
+        "system in the middle",
+        turns(("user", "q"), ("system", "s"), ("assistant", "a")),
+        r"messages\[2\] is a system turn after the first turn; a system turn can only come first",
+    ),
+    (
+        "a key twice",
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], '
+        '"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}',
+        r"key 'messages' appears twice in one object \(JSON would keep only the last\); remove one",
+    ),
+    (
+        "a key twice in a message",
+        '{"messages": [{"role": "user", "content": "a", "content": "z"}, {"role": "assistant", "content": "b"}]}',
+        r"key 'content' appears twice",
+    ),
+    (
+        "lone surrogate in content",
+        '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "c"}]}',
+        r"messages\[1\]\.content holds a lone surrogate \('\\ud800' at character 2\), which is not text",
+    ),
+    (
+        "lone surrogate in a role",
+        '{"messages": [{"role": "us\\udc80er", "content": "a"}, {"role": "assistant", "content": "c"}]}',
+        r"messages\[1\]\.role holds a lone surrogate",
+    ),
 ]
 
 
@@ -88,8 +119,11 @@ def test_a_row_that_would_train_on_something_else_is_named(name, row, message, t
 
 def test_prompt_completion_rows_are_checked_as_one_conversation(tok, tmp_path):
     rows = [{"prompt": "q?", "completion": "a."}, {"prompt": [{"role": "usr", "content": "q"}], "completion": "a"}]
-    with pytest.raises(RecipeError, match=r"d\.jsonl line 2: prompt \+ completion\[1\]\.role='usr' is not a chat "
-                                          r"role .*did you mean 'user'\?"):
+    with pytest.raises(
+        RecipeError,
+        match=r"d\.jsonl line 2: prompt \+ completion\[1\]\.role='usr' is not a chat "
+        r"role .*did you mean 'user'\?",
+    ):
         load(tok, write_jsonl(tmp_path / "d.jsonl", rows))
     rows[1] = {"prompt": "q?", "completion": [{"role": "user", "content": "more?"}]}
     with pytest.raises(RecipeError, match=r"line 2: prompt \+ completion\[2\] is a second user turn in a row"):
@@ -109,26 +143,33 @@ def test_tool_turns_are_checked_where_the_template_names_the_tool_role(tok, tmp_
 
     tools = type("T", (), {"chat_template": "{% if message['role'] == 'tool' %}…{% endif %}"})()
     assert chat_roles(tools) == ("system", "user", "assistant", "tool")
-    check_turns(turns(("user", "q"), ("assistant", "call"), ("tool", "42"), ("assistant", "It is 42."))["messages"],
-                chat_roles(tools), "messages")
+    check_turns(
+        turns(("user", "q"), ("assistant", "call"), ("tool", "42"), ("assistant", "It is 42."))["messages"],
+        chat_roles(tools),
+        "messages",
+    )
     with pytest.raises(Exception, match=r"messages\[2\] is a tool turn after a user turn"):
-        check_turns(turns(("user", "q"), ("tool", "42"), ("assistant", "a"))["messages"], chat_roles(tools),
-                    "messages")
+        check_turns(turns(("user", "q"), ("tool", "42"), ("assistant", "a"))["messages"], chat_roles(tools), "messages")
 
 
 # ---- CSV: text stays text ----
 
 
 def test_csv_cells_stay_text_and_a_ragged_row_is_named(tok, tmp_path):
-    (tmp_path / "d.csv").write_text("prompt,completion\n" + "".join(f"what is {k}+1?,{k + 1}\n" for k in range(4))
-                                    + "nothing?,NA\nzero?,007\n")
+    (tmp_path / "d.csv").write_text(
+        "prompt,completion\n" + "".join(f"what is {k}+1?,{k + 1}\n" for k in range(4)) + "nothing?,NA\nzero?,007\n"
+    )
     for rows in (load(tok, tmp_path / "d.csv")[0], streamed(tok, tmp_path / "d.csv")):
         assert sorted(labelled(tok, r) for r in rows) == sorted(
-            [f"{k + 1}<|im_end|>" for k in range(4)] + ["NA<|im_end|>", "007<|im_end|>"])
+            [f"{k + 1}<|im_end|>" for k in range(4)] + ["NA<|im_end|>", "007<|im_end|>"]
+        )
     (tmp_path / "r.csv").write_text("prompt,completion\nhello,world\na,b,c,d\nx,y\n")
     for read in (load, streamed):
-        with pytest.raises(RecipeError, match=r"r\.csv row 2: 4 cells on line 3 but the header has 2 \(prompt, "
-                                              r"completion\); a value holding a comma needs quotes"):
+        with pytest.raises(
+            RecipeError,
+            match=r"r\.csv row 2: 4 cells on line 3 but the header has 2 \(prompt, "
+            r"completion\); a value holding a comma needs quotes",
+        ):
             read(tok, tmp_path / "r.csv")
     (tmp_path / "h.csv").write_text("prompt,prompt,completion\na,b,c\n")
     with pytest.raises(RecipeError, match=r"h\.csv: column 'prompt' appears twice in the header"):
@@ -218,25 +259,56 @@ def test_a_row_is_cut_before_it_is_tokenized_whole_and_keeps_its_first_tokens(to
 def test_a_bad_row_read_by_a_dataloader_worker_is_one_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", GOOD * 20 + ["{oops"])
     out = tmp_path / "out"
-    result = run([f"recipe={DEBUG}", f"data.source={path}", "data.streaming=true", "data.num_workers=1",
-                  "data.limit=null", "train.max_steps=12", "data.max_length=64", f"train.output_dir={out}"])
-    assert_one_error(result, r"^error: \S+d\.jsonl line 81: not valid JSON \(.*\) \(data\.on_bad_row=skip skips such "
-                             r"rows\)$", out)
+    result = run(
+        [
+            f"recipe={DEBUG}",
+            f"data.source={path}",
+            "data.streaming=true",
+            "data.num_workers=1",
+            "data.limit=null",
+            "train.max_steps=12",
+            "data.max_length=64",
+            f"train.output_dir={out}",
+        ]
+    )
+    assert_one_error(
+        result,
+        r"^error: \S+d\.jsonl line 81: not valid JSON \(.*\) \(data\.on_bad_row=skip skips such "
+        r"rows\)$",
+        out,
+    )
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("name, make, message", [
-    ("role typo", lambda t: write_jsonl(t / "d.jsonl", [*GOOD, turns(("user", "q"), ("assitant", "a"))]),
-     r"d\.jsonl line 5: messages\[2\]\.role='assitant' is not a chat role"),
-    ("dangling link", lambda t: (write_jsonl(t / "a.jsonl", GOOD), (t / "b.jsonl").symlink_to(t / "gone"), t)[-1],
-     r"b\.jsonl is a link to nothing"),
-    ("empty source", lambda t: "", r"^error: data\.source is empty"),
-], ids=["role typo", "dangling link", "empty source"])
+@pytest.mark.parametrize(
+    "name, make, message",
+    [
+        (
+            "role typo",
+            lambda t: write_jsonl(t / "d.jsonl", [*GOOD, turns(("user", "q"), ("assitant", "a"))]),
+            r"d\.jsonl line 5: messages\[2\]\.role='assitant' is not a chat role",
+        ),
+        (
+            "dangling link",
+            lambda t: (write_jsonl(t / "a.jsonl", GOOD), (t / "b.jsonl").symlink_to(t / "gone"), t)[-1],
+            r"b\.jsonl is a link to nothing",
+        ),
+        ("empty source", lambda t: "", r"^error: data\.source is empty"),
+    ],
+    ids=["role typo", "dangling link", "empty source"],
+)
 def test_train_names_the_row_or_file_exit_2_nothing_written(name, make, message, tmp_path):
     source = make(tmp_path)
     out = tmp_path / "out"
-    result = run([f"recipe={DEBUG}", f"data.source={source}", "data.max_length=64", "train.max_steps=2",
-                  f"train.output_dir={out}"])
+    result = run(
+        [
+            f"recipe={DEBUG}",
+            f"data.source={source}",
+            "data.max_length=64",
+            "train.max_steps=2",
+            f"train.output_dir={out}",
+        ]
+    )
     assert_one_error(result, message, out)
 
 
@@ -244,14 +316,29 @@ def test_train_names_the_row_or_file_exit_2_nothing_written(name, make, message,
 def test_a_50_mb_row_trains_in_the_memory_of_a_short_one(tmp_path):
     """The issue's 50 MB row took 13 GB: rendered and tokenized whole (and twice more for its label span)."""
     path = write_jsonl(tmp_path / "d.jsonl", [*GOOD, chat("long?", "word " * 10_000_000)])
-    code = ("import resource, subprocess, sys\n"
-            "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-            "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-            "sys.stderr.write(r.stderr[-3000:])\n")
-    cmd = [sys.executable, "finetune/train.py", f"recipe={DEBUG}", f"data.source={path}", "data.max_length=64",
-           "train.max_steps=1", f"train.output_dir={tmp_path / 'out'}"]
-    result = subprocess.run([sys.executable, "-c", code, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import resource, subprocess, sys\n"
+        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "sys.stderr.write(r.stderr[-3000:])\n"
+    )
+    cmd = [
+        sys.executable,
+        "finetune/train.py",
+        f"recipe={DEBUG}",
+        f"data.source={path}",
+        "data.max_length=64",
+        "train.max_steps=1",
+        f"train.output_dir={tmp_path / 'out'}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *cmd],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     code, peak_kib = map(int, result.stdout.split())
     assert code == 0, result.stderr
     assert peak_kib < 3 * 2**20, f"peak RSS {peak_kib / 2**20:.1f} GiB"

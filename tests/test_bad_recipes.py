@@ -74,13 +74,23 @@ def test_each_numeric_key_refuses_values_outside_its_bounds_naming_the_key(key, 
         with pytest.raises(RecipeError) as error:
             load_config([f"recipe={DEBUG}", f"{key}={text}"])
         assert str(error.value).startswith(key) or f"{key}." in str(error.value) or f"{key}=" in str(error.value), (
-            key, text, str(error.value))
+            key,
+            text,
+            str(error.value),
+        )
 
 
 def test_the_messages_are_worded_from_the_bounds():
     def b(**kw):
-        return {"min": None, "max": None, "min_exclusive": False, "max_exclusive": False, "count": None, "hint": "",
-                **kw}
+        return {
+            "min": None,
+            "max": None,
+            "min_exclusive": False,
+            "max_exclusive": False,
+            "count": None,
+            "hint": "",
+            **kw,
+        }
 
     assert bounds_text(b(min=0, min_exclusive=True)) == "positive"
     assert bounds_text(b(min=0)) == "≥ 0"
@@ -106,17 +116,22 @@ def test_the_messages_are_worded_from_the_bounds():
         assert message in str(error.value), str(error.value)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train.max_steps=0"], "train.max_steps=0 makes no optimizer step"),
-    (["data.source="], "data.source is empty"),
-    (["data.source=' '"], "data.source is empty"),
-    (["model.name_or_path="], "model.name_or_path is empty"),
-    (["train.micro_batch_size=auto", "data.streaming=true"], "train.micro_batch_size=auto plans with the data's"),
-    (["data.batching=token_budget", "data.max_tokens_per_micro_batch=64", "train.global_batch_tokens=-128"],
-     "train.global_batch_tokens=-128 must be ≥ 1"),  # was accumulation -2: zero steps, an untrained model "done"
-    (["optim=3"], "optim is a section (name, lr, weight_decay, …), not a value; set its keys, e.g. optim.name=…"),
-    (["recipe="], None),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train.max_steps=0"], "train.max_steps=0 makes no optimizer step"),
+        (["data.source="], "data.source is empty"),
+        (["data.source=' '"], "data.source is empty"),
+        (["model.name_or_path="], "model.name_or_path is empty"),
+        (["train.micro_batch_size=auto", "data.streaming=true"], "train.micro_batch_size=auto plans with the data's"),
+        (
+            ["data.batching=token_budget", "data.max_tokens_per_micro_batch=64", "train.global_batch_tokens=-128"],
+            "train.global_batch_tokens=-128 must be ≥ 1",
+        ),  # was accumulation -2: zero steps, an untrained model "done"
+        (["optim=3"], "optim is a section (name, lr, weight_decay, …), not a value; set its keys, e.g. optim.name=…"),
+        (["recipe="], None),
+    ],
+)
 def test_settings_that_would_train_nothing_or_something_else_are_refused(argv, message):
     with pytest.raises(RecipeError) as error:
         load_config([*([] if argv[0].startswith("recipe=") else [f"recipe={DEBUG}"]), *argv])
@@ -127,23 +142,37 @@ def test_settings_that_would_train_nothing_or_something_else_are_refused(argv, m
 
 
 def bomb(levels: int = 9) -> str:
-    return "".join(f"      x{k}: &a{k} [" + ",".join([f"*a{k - 1}" if k else '"lol"'] * 9) + "]\n"
-                   for k in range(levels))
+    return "".join(
+        f"      x{k}: &a{k} [" + ",".join([f"*a{k - 1}" if k else '"lol"'] * 9) + "]\n" for k in range(levels)
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    (DEBUG_TEXT + "optim:\n  name: sgd\n",
-     r"'optim' is written twice in one mapping \(lines 26 and 33\); YAML would silently keep only the second"),
-    (DEBUG_TEXT.replace("  lr: 1.0e-3\n", "  lr: 1.0e-3\n  lr: 5.0e-4\n"), r"'lr' is written twice .*lines 28 and 29"),
-    (DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    bomb:\n" + bomb()),
-     rf"anchors and aliases expand to more than {MAX_NODES:,} values"),
-    (DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    loop: &l [*l]\n"),
-     r"an alias at line 9 refers to a value that contains it \(a loop\)"),
-    ("model:\n  config_overrides:\n    a: " + "[" * 3000 + "]" * 3000 + "\n", r"nested too deeply to read"),
-    (DEBUG_TEXT.encode() + "# caf\xe9\n".encode("latin-1"), r"not UTF-8 text \(byte 0xe9 on line 33\); save it as"),
-    (DEBUG_TEXT.encode("utf-16"), r"not UTF-8 text \(byte 0xff on line 1\)"),
-    (bytes(range(256)), r"not UTF-8 text"),
-], ids=["section twice", "key twice", "alias bomb", "alias loop", "deep nesting", "latin-1", "utf-16", "binary"])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            DEBUG_TEXT + "optim:\n  name: sgd\n",
+            r"'optim' is written twice in one mapping \(lines 26 and 33\); YAML would silently keep only the second",
+        ),
+        (
+            DEBUG_TEXT.replace("  lr: 1.0e-3\n", "  lr: 1.0e-3\n  lr: 5.0e-4\n"),
+            r"'lr' is written twice .*lines 28 and 29",
+        ),
+        (
+            DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    bomb:\n" + bomb()),
+            rf"anchors and aliases expand to more than {MAX_NODES:,} values",
+        ),
+        (
+            DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    loop: &l [*l]\n"),
+            r"an alias at line 9 refers to a value that contains it \(a loop\)",
+        ),
+        ("model:\n  config_overrides:\n    a: " + "[" * 3000 + "]" * 3000 + "\n", r"nested too deeply to read"),
+        (DEBUG_TEXT.encode() + "# caf\xe9\n".encode("latin-1"), r"not UTF-8 text \(byte 0xe9 on line 33\); save it as"),
+        (DEBUG_TEXT.encode("utf-16"), r"not UTF-8 text \(byte 0xff on line 1\)"),
+        (bytes(range(256)), r"not UTF-8 text"),
+    ],
+    ids=["section twice", "key twice", "alias bomb", "alias loop", "deep nesting", "latin-1", "utf-16", "binary"],
+)
 def test_yaml_that_would_lose_or_multiply_values_is_one_error(text, message, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -155,8 +184,12 @@ def test_yaml_that_would_lose_or_multiply_values_is_one_error(text, message, tmp
 
 def test_yaml_that_is_fine_stays_fine(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_bytes(b"\xef\xbb\xbf" + DEBUG_TEXT.replace(  # a byte-order mark; a merge key overridden on purpose
-        "  config_overrides:\n", "  config_overrides:\n    <<: {hidden_size: 32, num_hidden_layers: 1}\n").encode())
+    recipe.write_bytes(
+        b"\xef\xbb\xbf"
+        + DEBUG_TEXT.replace(  # a byte-order mark; a merge key overridden on purpose
+            "  config_overrides:\n", "  config_overrides:\n    <<: {hidden_size: 32, num_hidden_layers: 1}\n"
+        ).encode()
+    )
     cfg = load_config([f"recipe={recipe}"])
     assert cfg.model.config_overrides["hidden_size"] == 64 and cfg.model.config_overrides["num_hidden_layers"] == 2
     assert load_config([f"recipe={DEBUG}", "data.source=a:b"]).data.source == "a:b"  # not YAML: the text itself
@@ -165,8 +198,9 @@ def test_yaml_that_is_fine_stays_fine(tmp_path):
 def test_override_values_get_the_same_yaml_rules():
     with pytest.raises(RecipeError, match=r"command line: model.config_overrides: 'a' is written twice"):
         load_config([f"recipe={DEBUG}", "model.config_overrides={a: 1, a: 2}"])
-    levels = ["a: &a [x,x,x,x,x,x,x,x,x]"] + [f"{chr(98 + k)}: &{chr(98 + k)} [" + ",".join(
-        [f"*{chr(97 + k)}"] * 9) + "]" for k in range(6)]
+    levels = ["a: &a [x,x,x,x,x,x,x,x,x]"] + [
+        f"{chr(98 + k)}: &{chr(98 + k)} [" + ",".join([f"*{chr(97 + k)}"] * 9) + "]" for k in range(6)
+    ]
     with pytest.raises(RecipeError, match=r"command line: model.config_overrides: its anchors and aliases expand"):
         load_config([f"recipe={DEBUG}", "model.config_overrides={" + ", ".join(levels) + "}"])
 
@@ -176,8 +210,15 @@ def test_override_values_get_the_same_yaml_rules():
 
 def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **kwargs):
     cmd = [sys.executable, tool] if tool.endswith(".py") else [sys.executable, "-m", tool]
-    return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+    return subprocess.run(
+        [*cmd, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        **kwargs,
+    )
 
 
 def assert_one_error(result, message: str, out: Path | None = None, code: int = 2) -> None:
@@ -197,8 +238,11 @@ CLI_CASES = [
     ("section twice", lambda t: [f"recipe={write(t, DEBUG_TEXT + 'optim: {name: sgd}')}"], r"'optim' is written twice"),
     ("not UTF-8", lambda t: [f"recipe={write(t, DEBUG_TEXT.encode('utf-16'))}"], r"not UTF-8 text"),
     ("alias bomb", lambda t: [f"recipe={write(t, BOMB_RECIPE)}"], r"expand to more than"),
-    ("argument not UTF-8", lambda t: [os.fsdecode(b"optim.name=adam\xff")],
-     r"optim\.name='adam\\udcff' is not one of adamw, sgd, lamb, lars; did you mean 'adamw'\?"),
+    (
+        "argument not UTF-8",
+        lambda t: [os.fsdecode(b"optim.name=adam\xff")],
+        r"optim\.name='adam\\udcff' is not one of adamw, sgd, lamb, lars; did you mean 'adamw'\?",
+    ),
 ]
 
 
@@ -218,24 +262,30 @@ def test_train_says_it_in_one_line_exit_2_and_writes_nothing(name, extra, messag
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("tool, args, message", [
-    ("finetune.verify", ["verify.tolerance=nan"], r"^error: verify\.tolerance=nan must be positive$"),
-    ("finetune.verify", ["optim.lr=inf"], r"optim\.lr=inf is not finite"),
-    ("finetune.plan", ["plan.headroom=nan"], r"plan\.headroom"),
-    ("finetune.plan", ["train.max_grad_norm=nan"], r"train\.max_grad_norm=nan is not a number"),
-])
+@pytest.mark.parametrize(
+    "tool, args, message",
+    [
+        ("finetune.verify", ["verify.tolerance=nan"], r"^error: verify\.tolerance=nan must be positive$"),
+        ("finetune.verify", ["optim.lr=inf"], r"optim\.lr=inf is not finite"),
+        ("finetune.plan", ["plan.headroom=nan"], r"plan\.headroom"),
+        ("finetune.plan", ["train.max_grad_norm=nan"], r"train\.max_grad_norm=nan is not a number"),
+    ],
+)
 def test_plan_and_verify_share_the_boundary(tool, args, message):
     assert_one_error(run([f"recipe={DEBUG}", *args], tool=tool, timeout=120), message)
 
 
 @pytest.mark.subprocess
 def test_a_bug_keeps_its_traceback_and_exits_70():
-    code = ("import sys, finetune.recipe.loading as loading\n"
-            "def broken(argv): raise KeyError('a bug')\n"
-            "import finetune.tools.train as t; t.load_config = broken\n"
-            "sys.exit(t.main(sys.argv[1:]))\n")
-    result = subprocess.run([sys.executable, "-c", code, f"recipe={DEBUG}"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        "import sys, finetune.recipe.loading as loading\n"
+        "def broken(argv): raise KeyError('a bug')\n"
+        "import finetune.tools.train as t; t.load_config = broken\n"
+        "sys.exit(t.main(sys.argv[1:]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, f"recipe={DEBUG}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 70, result.stderr
     assert "Traceback" in result.stderr and "KeyError: 'a bug'" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("internal error (KeyError): a bug in finetune")
@@ -264,9 +314,12 @@ def test_the_error_line_starts_a_line_of_its_own_after_a_progress_bar(monkeypatc
 def test_a_dataloader_worker_error_is_its_own_line_not_the_worker_traceback():
     from finetune.tools.boundary import _own_line
 
-    wrapped = ("Caught RecipeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-               '  File "x.py", line 1, in rows\nfinetune.recipe.schema.RecipeError: d.jsonl line 7: not valid JSON '
-               "(Expecting value at column 1) (data.on_bad_row=skip skips such rows)\n")
-    assert _own_line(wrapped) == ("d.jsonl line 7: not valid JSON (Expecting value at column 1) "
-                                  "(data.on_bad_row=skip skips such rows)")
+    wrapped = (
+        "Caught RecipeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in rows\nfinetune.recipe.schema.RecipeError: d.jsonl line 7: not valid JSON '
+        "(Expecting value at column 1) (data.on_bad_row=skip skips such rows)\n"
+    )
+    assert _own_line(wrapped) == (
+        "d.jsonl line 7: not valid JSON (Expecting value at column 1) (data.on_bad_row=skip skips such rows)"
+    )
     assert _own_line("plain: message") == "plain: message"

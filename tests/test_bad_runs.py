@@ -22,18 +22,26 @@ from finetune.training.output_dir import CARRIED, FINAL_SET, OutputLock, recover
 from tests.test_bad_recipes import assert_one_error
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=2",
-        "log.wandb_mode=disabled"]
+BASE = [
+    "recipe=recipes/debug.yaml",
+    "data.limit=16",
+    "data.max_length=64",
+    "train.max_steps=2",
+    "log.wandb_mode=disabled",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-HOLD = ("import sys, time\nfrom finetune.training.output_dir import OutputLock\nlock = OutputLock(sys.argv[1])\n"
-        "lock.acquire()\nprint('held', flush=True)\ntime.sleep(600)\n")
+HOLD = (
+    "import sys, time\nfrom finetune.training.output_dir import OutputLock\nlock = OutputLock(sys.argv[1])\n"
+    "lock.acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"
+)
 
 
 def train(*args: str, code: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "finetune/train.py"]
     base = [a for a in BASE if not (a.startswith("recipe=") and any(b.startswith("recipe=") for b in args))]
-    return subprocess.run([*cmd, *base, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**ENV, **(env or {})})
+    return subprocess.run(
+        [*cmd, *base, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env={**ENV, **(env or {})}
+    )
 
 
 def snapshot(folder: Path) -> dict:
@@ -55,8 +63,11 @@ def test_a_second_run_on_an_output_dir_in_use_is_refused_and_a_killed_holder_lea
     holder = hold_lock(out)
     try:
         lock = OutputLock(str(out))
-        with pytest.raises(RecipeError, match=rf"train\.output_dir={out} is in use by another run \(pid {holder.pid} "
-                                              r"on \S+, since [\d-]+ [\d:]+\); wait for it to end, or choose"):
+        with pytest.raises(
+            RecipeError,
+            match=rf"train\.output_dir={out} is in use by another run \(pid {holder.pid} "
+            r"on \S+, since [\d-]+ [\d:]+\); wait for it to end, or choose",
+        ):
             lock.acquire()
         before = snapshot(out)
         result = train(f"train.output_dir={out}")
@@ -108,8 +119,9 @@ class Crash(Exception):
 @pytest.mark.parametrize("crash_at", range(1, 9))
 @pytest.mark.parametrize("manifest", [True, False], ids=["previous set named", "previous set of an older version"])
 @pytest.mark.parametrize("exchange", ["renameat2", "three renames"])
-def test_a_final_save_killed_at_any_rename_leaves_one_run_and_the_next_run_cleans_up(crash_at, manifest, exchange,
-                                                                                      tmp_path, monkeypatch):
+def test_a_final_save_killed_at_any_rename_leaves_one_run_and_the_next_run_cleans_up(
+    crash_at, manifest, exchange, tmp_path, monkeypatch
+):
     out = tmp_path / "out"
     final_set(out, "old", OLD)
     if manifest:
@@ -152,10 +164,12 @@ def test_a_run_over_an_older_run_replaces_its_model_whole_and_keeps_its_checkpoi
     first = train("model.lora.enabled=true", "train.save_steps=1", f"train.output_dir={out}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "adapter_config.json").is_file()
-    killer = ("import os, signal, sys\nreal = os.replace\nmoved = [0]\n"
-              "def replace(a, b):\n    real(a, b)\n    if '.out.final' in str(b):\n        moved[0] += 1\n"
-              "        if moved[0] == 2: os.kill(os.getpid(), signal.SIGKILL)\n"
-              "os.replace = replace\nfrom finetune.tools.train import main\nsys.exit(main(sys.argv[1:]))\n")
+    killer = (
+        "import os, signal, sys\nreal = os.replace\nmoved = [0]\n"
+        "def replace(a, b):\n    real(a, b)\n    if '.out.final' in str(b):\n        moved[0] += 1\n"
+        "        if moved[0] == 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.replace = replace\nfrom finetune.tools.train import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
     killed = train(f"train.output_dir={out}", code=killer)  # killed with the checkpoints moved beside, not swapped
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (out / "adapter_config.json").is_file() and not (out / "checkpoint-1").exists()  # the old run, whole
@@ -185,14 +199,17 @@ def cut(path: Path, keep: float = 0.5) -> None:
     path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
 
 
-@pytest.mark.parametrize("name, why", [
-    ("model.safetensors", r"model\.safetensors: [\d,]+ bytes, written as 16,4\d\d"),
-    ("optimizer.pt", r"optimizer\.pt: [\d,]+ bytes, written as"),
-    ("rng_state.pth", r"rng_state\.pth: [\d,]+ bytes, written as"),
-    ("trainer_state.json", r"trainer_state\.json: [\d,]+ bytes, written as"),
-    ("finetune_state.json", r"finetune_state\.json: not a whole JSON"),
-    ("checkpoint_files.json", r"checkpoint_files\.json: unreadable"),
-])
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("model.safetensors", r"model\.safetensors: [\d,]+ bytes, written as 16,4\d\d"),
+        ("optimizer.pt", r"optimizer\.pt: [\d,]+ bytes, written as"),
+        ("rng_state.pth", r"rng_state\.pth: [\d,]+ bytes, written as"),
+        ("trainer_state.json", r"trainer_state\.json: [\d,]+ bytes, written as"),
+        ("finetune_state.json", r"finetune_state\.json: not a whole JSON"),
+        ("checkpoint_files.json", r"checkpoint_files\.json: unreadable"),
+    ],
+)
 def test_a_cut_checkpoint_file_is_named(name, why, tmp_path):
     folder = checkpoint(tmp_path / "checkpoint-2")
     assert checkpoint_files.damaged(str(folder)) == []
@@ -221,19 +238,24 @@ def test_resume_auto_falls_back_to_the_newest_whole_checkpoint_with_a_warning(tm
     assert checkpoints.resume_path(train_cfg) == str(older)
     warning = capsys.readouterr().err
     assert warning.startswith(f"warning: {newest} is damaged (optimizer.pt: ") and warning.strip().endswith(
-        f"resuming from {older} instead")
+        f"resuming from {older} instead"
+    )
     cut(older / "rng_state.pth")
     with pytest.raises(RecipeError, match=r"train\.resume_from=auto: every checkpoint in \S+ is damaged"):
         checkpoints.resume_path(train_cfg)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda m: shutil.rmtree(m) or m.mkdir(), r"no config\.json in the folder"),
-    (lambda m: cut(m / "config.json"), r"damaged files \(config\.json: not a whole JSON"),
-    (lambda m: cut(m / "model.safetensors"), r"damaged files \(model\.safetensors: cut short"),
-    (lambda m: (m / "model.safetensors").unlink(), r"no weights in the folder"),
-    (lambda m: shutil.rmtree(m), r"no such folder; check the path"),
-], ids=["empty", "config cut", "weights cut", "no weights", "missing"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda m: shutil.rmtree(m) or m.mkdir(), r"no config\.json in the folder"),
+        (lambda m: cut(m / "config.json"), r"damaged files \(config\.json: not a whole JSON"),
+        (lambda m: cut(m / "model.safetensors"), r"damaged files \(model\.safetensors: cut short"),
+        (lambda m: (m / "model.safetensors").unlink(), r"no weights in the folder"),
+        (lambda m: shutil.rmtree(m), r"no such folder; check the path"),
+    ],
+    ids=["empty", "config cut", "weights cut", "no weights", "missing"],
+)
 def test_a_model_folder_with_a_missing_or_damaged_file_is_named(damage, message, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -263,16 +285,21 @@ def copy_run(run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("name", ["trainer_state.json", "finetune_state.json", "model.safetensors", "optimizer.pt",
-                                  "rng_state.pth", "scheduler.pt"])
+@pytest.mark.parametrize(
+    "name",
+    ["trainer_state.json", "finetune_state.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt"],
+)
 def test_resuming_from_a_checkpoint_with_a_cut_file_names_it(name, run_with_checkpoints, tmp_path):
     out = copy_run(run_with_checkpoints, tmp_path)
     cut(out / "checkpoint-2" / name)
     before = snapshot(out)
     result = train(f"train.output_dir={out}", "train.max_steps=3", f"train.resume_from={out / 'checkpoint-2'}")
     # each file against the size recorded at save time; the state file, written after the sizes, by its kind
-    assert_one_error(result, rf"^error: train\.resume_from=\S+checkpoint-2 is damaged: {name}: ([\d,]+ bytes, "
-                             r"written as [\d,]+|not a whole JSON \(.*\)); resume from an earlier checkpoint-N")
+    assert_one_error(
+        result,
+        rf"^error: train\.resume_from=\S+checkpoint-2 is damaged: {name}: ([\d,]+ bytes, "
+        r"written as [\d,]+|not a whole JSON \(.*\)); resume from an earlier checkpoint-N",
+    )
     assert snapshot(out) == before
 
 
@@ -290,15 +317,22 @@ def test_resume_auto_with_the_newest_checkpoint_cut_resumes_from_the_one_before(
 def test_a_resume_that_changes_the_data_order_is_refused_unless_allowed(run_with_checkpoints, tmp_path):
     out = copy_run(run_with_checkpoints, tmp_path)
     before = snapshot(out)
-    result = train(f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto",
-                   "train.micro_batch_size=2")
-    assert_one_error(result, r"^error: train\.resume_from: resuming with micro_batches_per_step 2 → 4, "
-                             r"items_per_micro_batch 4 → 2 would train on another data order and position .*set "
-                             r"train\.global_batch_size \(or global_batch_tokens\), train\.micro_batch_size as that "
-                             r"run had them, or set train\.resume_data_order_change=allow")
+    result = train(f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto", "train.micro_batch_size=2")
+    assert_one_error(
+        result,
+        r"^error: train\.resume_from: resuming with micro_batches_per_step 2 → 4, "
+        r"items_per_micro_batch 4 → 2 would train on another data order and position .*set "
+        r"train\.global_batch_size \(or global_batch_tokens\), train\.micro_batch_size as that "
+        r"run had them, or set train\.resume_data_order_change=allow",
+    )
     assert snapshot(out) == before
-    allowed = train(f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto",
-                    "train.micro_batch_size=2", "train.resume_data_order_change=allow")
+    allowed = train(
+        f"train.output_dir={out}",
+        "train.max_steps=3",
+        "train.resume_from=auto",
+        "train.micro_batch_size=2",
+        "train.resume_data_order_change=allow",
+    )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
 
 
@@ -308,20 +342,32 @@ def test_an_empty_or_damaged_model_folder_is_one_line(run_with_checkpoints, tmp_
     shutil.copytree(run_with_checkpoints, model, ignore=shutil.ignore_patterns("checkpoint-*"))
     cut(model / "model.safetensors")
     recipe = tmp_path / "model.yaml"
-    recipe.write_text(f"model:\n  name_or_path: {model}\ndata:\n  limit: 16\n  max_length: 64\n"
-                      "train:\n  micro_batch_size: 4\n  global_batch_size: 8\n  max_steps: 2\n"
-                      "log:\n  wandb_mode: disabled\n")
+    recipe.write_text(
+        f"model:\n  name_or_path: {model}\ndata:\n  limit: 16\n  max_length: 64\n"
+        "train:\n  micro_batch_size: 4\n  global_batch_size: 8\n  max_steps: 2\n"
+        "log:\n  wandb_mode: disabled\n"
+    )
     out = tmp_path / "out"
     result = train(f"recipe={recipe}", f"train.output_dir={out}")
-    assert_one_error(result, rf"^error: model\.name_or_path={model}: damaged files \(model\.safetensors: cut short "
-                             r"\([\d,]+ of [\d,]+ bytes\)\); copy or download the model again$", out)
+    assert_one_error(
+        result,
+        rf"^error: model\.name_or_path={model}: damaged files \(model\.safetensors: cut short "
+        r"\([\d,]+ of [\d,]+ bytes\)\); copy or download the model again$",
+        out,
+    )
 
 
 @pytest.mark.subprocess
 def test_an_error_during_training_gets_a_line_of_its_own_after_the_progress_bar(tmp_path):
     out = tmp_path / "out"
-    result = train(f"train.output_dir={out}", "train.on_nonfinite=stop", "optim.name=sgd", "optim.lr=1e30",
-                   "train.max_grad_norm=0", "train.max_steps=6")
+    result = train(
+        f"train.output_dir={out}",
+        "train.on_nonfinite=stop",
+        "optim.name=sgd",
+        "optim.lr=1e30",
+        "train.max_grad_norm=0",
+        "train.max_steps=6",
+    )
     assert_one_error(result, r"^error: optimizer step \d: .* not finite .*train\.on_nonfinite=stop", code=3)
     assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))  # nothing saved
     assert not [line for line in result.stderr.splitlines() if "error:" in line and not line.startswith("error:")]

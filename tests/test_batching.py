@@ -43,8 +43,11 @@ def test_packed_training_is_exact(attn, tmp_path):
     initial.config._attn_implementation = attn
     collator, snapshots = RecordingFlattening(), SnapshotCallback()
     trainer = TokenNormTrainer(
-        model=copy.deepcopy(initial), args=sgd_args(tmp_path, 3, 2), train_dataset=ragged_rows(12, seed=4),
-        data_collator=collator, callbacks=[snapshots],
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path, 3, 2),
+        train_dataset=ragged_rows(12, seed=4),
+        data_collator=collator,
+        callbacks=[snapshots],
     )
     trainer.train()
     windows = [collator.batches[0] + collator.batches[1], collator.batches[2] + collator.batches[3]]
@@ -82,8 +85,11 @@ def test_token_budget_training_is_exact(padded, tmp_path):
     inner = RecordingCollator() if padded else RecordingFlattening()
     snapshots = SnapshotCallback()
     trainer = TokenNormTrainer(
-        model=copy.deepcopy(initial), args=sgd_args(tmp_path, 1, 3), train_dataset=MicroBatches(rows, groups),
-        data_collator=MicroBatchCollator(inner), callbacks=[snapshots],
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path, 1, 3),
+        train_dataset=MicroBatches(rows, groups),
+        data_collator=MicroBatchCollator(inner),
+        callbacks=[snapshots],
     )
     trainer.train()
     assert len({len(b) for b in inner.batches}) > 1, "row counts per micro-batch should vary"

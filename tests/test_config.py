@@ -40,8 +40,11 @@ def test_accumulation_is_derived_from_the_global_batch():
     cfg = load_config([f"recipe={DEBUG}", "train.global_batch_size=96", "train.micro_batch_size=4"])
     assert accumulation_steps(cfg, ranks=1) == 24
     assert accumulation_steps(cfg, ranks=8) == 3
-    with pytest.raises(RecipeError, match=r"train.global_batch_size=96 is not divisible by "
-                                          r"train.micro_batch_size=5 × 8 ranks = 40"):
+    with pytest.raises(
+        RecipeError,
+        match=r"train.global_batch_size=96 is not divisible by "
+        r"train.micro_batch_size=5 × 8 ranks = 40",
+    ):
         cfg.train.micro_batch_size = 5
         accumulation_steps(cfg, ranks=8)
 
@@ -62,8 +65,10 @@ BAD = [
     (["recipe=recipes/nope.yaml"], "recipe file 'recipes/nope.yaml' not found"),
     ([f"recipe={DEBUG}", "train.micro_bach_size=2"], "did you mean 'train.micro_batch_size'"),
     ([f"recipe={DEBUG}", "optim.lr=fast"], "optim.lr='fast' is not a valid number"),
-    ([f"recipe={DEBUG}", "train.global_batch_size=10", "train.micro_batch_size=4"],
-     "train.global_batch_size=10 is not divisible by train.micro_batch_size=4 × 1 rank = 4"),
+    (
+        [f"recipe={DEBUG}", "train.global_batch_size=10", "train.micro_batch_size=4"],
+        "train.global_batch_size=10 is not divisible by train.micro_batch_size=4 × 1 rank = 4",
+    ),
     ([f"recipe={DEBUG}", "train.precision=bf15"], "did you mean 'bf16'"),
     ([f"recipe={DEBUG}", "lr=1e-5"], "unknown key 'lr'; in a recipe this is optim.lr"),
     ([f"recipe={DEBUG}", "train.lerning_rate=1e-5"], "unknown key 'train.lerning_rate'; in a recipe this is optim.lr"),
@@ -79,7 +84,10 @@ def test_bad_recipe_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_pat
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "finetune/train.py", *argv, f"train.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -104,7 +112,10 @@ def test_fp16_on_a_machine_without_gpu_is_an_error_not_silent_fp32(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "finetune/train.py", f"recipe={DEBUG}", "train.precision=fp16", f"train.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"

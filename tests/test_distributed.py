@@ -37,8 +37,9 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
 
     initial = tiny_llama()
     data = ragged_rows(rows, seed)
-    _, _, one = train_recording(TokenNormTrainer, copy.deepcopy(initial), data, tmp_path / "one", micro,
-                                accumulation * 2)
+    _, _, one = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), data, tmp_path / "one", micro, accumulation * 2
+    )
     grads, ref_loss = reference_gradient(initial, data)
     applied_two = {n: two["snapshots"][0][n] - two["snapshots"][1][n] for n in grads}
     applied_one = {n: one[0][n] - one[1][n] for n in grads}
@@ -53,8 +54,14 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
 @pytest.mark.subprocess
 @pytest.mark.parametrize("world_size, torn_down", [("2", False), ("1", True)])
 def test_a_launched_rank_exits_with_its_code_after_the_exit_handlers_and_without_teardown(world_size, torn_down):
-    result = subprocess.run([sys.executable, "tests/workers/exit_worker.py", "3"], cwd=ROOT, capture_output=True,
-                            text=True, env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "tests/workers/exit_worker.py", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": world_size},
+        timeout=120,
+    )
     assert result.returncode == 3
     assert result.stdout.startswith("unflushed") and "exit handlers ran" in result.stdout
     assert ("torn down" in result.stdout) is torn_down

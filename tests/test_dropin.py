@@ -35,11 +35,19 @@ def args_with(out, micro, accumulation, **changes):
 def run(trainer_cls, model, rows, out, micro, accumulation, collator=None, **extra):
     collator, snapshots = collator or PadEachCollator(), SnapshotCallback()
     trainer_kwargs = extra.pop("trainer_kwargs", {})
-    trainer = trainer_cls(model=model, args=sgd_args(out, micro, accumulation, **extra), train_dataset=rows,
-                          data_collator=collator, callbacks=[snapshots], **trainer_kwargs)
+    trainer = trainer_cls(
+        model=model,
+        args=sgd_args(out, micro, accumulation, **extra),
+        train_dataset=rows,
+        data_collator=collator,
+        callbacks=[snapshots],
+        **trainer_kwargs,
+    )
     trainer.train()
-    windows = [[row for batch in collator.batches[i : i + accumulation] for row in batch]
-               for i in range(0, len(collator.batches), accumulation)]
+    windows = [
+        [row for batch in collator.batches[i : i + accumulation] for row in batch]
+        for i in range(0, len(collator.batches), accumulation)
+    ]
     return trainer, windows, snapshots.snapshots
 
 
@@ -77,6 +85,7 @@ def test_a_model_the_trainer_does_not_normalize_trains_exactly_as_trainer(tmp_pa
     assert "FallbackModule" in caplog.text and "Trainer's own loss" in caplog.text
     for name in ours_snaps[-1]:
         torch.testing.assert_close(ours_snaps[-1][name], stock_snaps[-1][name], rtol=0, atol=0)
+
     def steps(trainer):
         return [{k: v for k, v in e.items() if not k.startswith("train_")} for e in trainer.state.log_history]
 
@@ -100,11 +109,19 @@ def test_batches_without_input_ids_a_regression_model_as_trainer(tmp_path):
     data = [{"input_x": float(x), "labels": 2.0 * x + 3.0} for x in torch.linspace(-1, 1, 16).tolist()]
     results = []
     for cls in (TokenNormTrainer, Trainer):
-        trainer = cls(model=Regression(), args=args_with(tmp_path / cls.__name__, 4, 2, learning_rate=0.1,
-                                                          per_device_eval_batch_size=5), train_dataset=data)
+        trainer = cls(
+            model=Regression(),
+            args=args_with(tmp_path / cls.__name__, 4, 2, learning_rate=0.1, per_device_eval_batch_size=5),
+            train_dataset=data,
+        )
         trainer.train()
-        results.append(([float(p) for p in trainer.model.parameters()], trainer.evaluate(data)["eval_loss"],
-                         [e.get("loss") for e in trainer.state.log_history]))
+        results.append(
+            (
+                [float(p) for p in trainer.model.parameters()],
+                trainer.evaluate(data)["eval_loss"],
+                [e.get("loss") for e in trainer.state.log_history],
+            )
+        )
     assert results[0] == results[1]
     assert results[0][0] != [float(p) for p in Regression().parameters()]  # it trained
 
@@ -123,8 +140,9 @@ def test_a_causal_lm_fed_inputs_embeds_without_input_ids_is_exact(tmp_path):
         embeds = table[torch.as_tensor(seq["input_ids"])].to(torch.float64).unsqueeze(0)
         return model(inputs_embeds=embeds).logits
 
-    _, windows, snapshots = run(TokenNormTrainer, copy.deepcopy(initial), ragged_rows(9, 2), tmp_path, 2, 2,
-                                collator=EmbedsCollator())
+    _, windows, snapshots = run(
+        TokenNormTrainer, copy.deepcopy(initial), ragged_rows(9, 2), tmp_path, 2, 2, collator=EmbedsCollator()
+    )
     assert max(window_errors(initial, windows, snapshots, forward=forward)) <= 1e-5
 
 
@@ -137,7 +155,12 @@ def summed_cross_entropy(outputs, labels, num_items_in_batch):
 def test_compute_loss_func_gets_the_window_label_tokens_and_is_exact(tmp_path):
     initial = tiny_llama()
     _, windows, snapshots = run(
-        TokenNormTrainer, copy.deepcopy(initial), ragged_rows(10, 6), tmp_path, 2, 3,
+        TokenNormTrainer,
+        copy.deepcopy(initial),
+        ragged_rows(10, 6),
+        tmp_path,
+        2,
+        3,
         trainer_kwargs={"compute_loss_func": summed_cross_entropy},
     )
     assert max(window_errors(initial, windows, snapshots)) <= 1e-5
@@ -149,8 +172,13 @@ def test_compute_loss_func_result_is_the_loss_as_with_trainer(tmp_path):
 
     logged = []
     for cls in (TokenNormTrainer, Trainer):
-        trainer = cls(model=tiny_llama(), args=sgd_args(tmp_path / cls.__name__, 2, 1, max_steps=2),
-                      train_dataset=ragged_rows(4, 1), data_collator=RecordingCollator(), compute_loss_func=constant)
+        trainer = cls(
+            model=tiny_llama(),
+            args=sgd_args(tmp_path / cls.__name__, 2, 1, max_steps=2),
+            train_dataset=ragged_rows(4, 1),
+            data_collator=RecordingCollator(),
+            compute_loss_func=constant,
+        )
         trainer.train()
         logged.append([e["loss"] for e in trainer.state.log_history if "grad_norm" in e])
     assert logged[0] == logged[1] == [123.0, 123.0]
@@ -160,8 +188,13 @@ def test_compute_loss_func_returning_a_non_scalar_is_one_clear_error(tmp_path):
     def per_token(outputs, labels, num_items_in_batch):
         return outputs["logits"].logsumexp(-1)
 
-    trainer = TokenNormTrainer(model=tiny_llama(), args=sgd_args(tmp_path, 2, 1), train_dataset=ragged_rows(4, 1),
-                               data_collator=RecordingCollator(), compute_loss_func=per_token)
+    trainer = TokenNormTrainer(
+        model=tiny_llama(),
+        args=sgd_args(tmp_path, 2, 1),
+        train_dataset=ragged_rows(4, 1),
+        data_collator=RecordingCollator(),
+        compute_loss_func=per_token,
+    )
     with pytest.raises(ValueError, match=r"compute_loss_func must return a scalar loss tensor .* returned \(2, \d+\)"):
         trainer.train()
 
@@ -170,10 +203,12 @@ def test_compute_loss_func_returning_a_non_scalar_is_one_clear_error(tmp_path):
 def test_label_smoothing_is_exact_under_accumulation_and_equals_trainer_on_one_batch(name, tmp_path):
     kind, smoothing = KINDS[name], 0.1
     initial, rows = kind.model(), kind.rows(10, 7)
-    trainer, windows, snapshots = run(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 3,
-                                      label_smoothing_factor=smoothing)
-    errors = window_errors(initial, windows, snapshots, forward=kind.forward, shift=kind.shift,
-                           label_smoothing=smoothing)
+    trainer, windows, snapshots = run(
+        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 3, label_smoothing_factor=smoothing
+    )
+    errors = window_errors(
+        initial, windows, snapshots, forward=kind.forward, shift=kind.shift, label_smoothing=smoothing
+    )
     assert max(errors) <= 1e-5, errors
     stock = Trainer(model=copy.deepcopy(initial), args=sgd_args(tmp_path / "b", 4, 1, label_smoothing_factor=smoothing))
     batch = PadEachCollator()(rows[:4])
@@ -195,8 +230,13 @@ def test_one_forward_per_micro_batch_in_training_and_evaluation(name, tmp_path):
     model = {"qwen2_5_vl": tiny_qwen_vl, "fallback": FallbackModule}.get(name, kind.model)()
     rows = kind.rows(8, 5)
     counter = ForwardCounter(model)
-    trainer = TokenNormTrainer(model=model, args=sgd_args(tmp_path, 2, 2, per_device_eval_batch_size=3),
-                               train_dataset=rows, eval_dataset=rows[:7], data_collator=PadEachCollator())
+    trainer = TokenNormTrainer(
+        model=model,
+        args=sgd_args(tmp_path, 2, 2, per_device_eval_batch_size=3),
+        train_dataset=rows,
+        eval_dataset=rows[:7],
+        data_collator=PadEachCollator(),
+    )
     trainer.train()
     assert counter.calls == 4  # 8 rows, micro-batches of 2
     trainer.evaluate()

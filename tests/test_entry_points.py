@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRIES = {"train": [str(ROOT / "finetune" / "train.py")], "plan": ["-m", "finetune.plan"],
-           "verify": ["-m", "finetune.verify"]}
+ENTRIES = {
+    "train": [str(ROOT / "finetune" / "train.py")],
+    "plan": ["-m", "finetune.plan"],
+    "verify": ["-m", "finetune.verify"],
+}
 
 
 def imported_modules(stderr: str) -> set[str]:
@@ -21,8 +24,13 @@ def imported_modules(stderr: str) -> set[str]:
 @pytest.mark.parametrize("entry", ENTRIES.values(), ids=ENTRIES.keys())
 def test_a_recipe_typo_is_reported_before_torch_is_imported(entry, tmp_path):
     # recipe=debug from another working directory: the built-in recipe is found, then the typo stops the run
-    result = subprocess.run([sys.executable, "-X", "importtime", *entry, "recipe=debug", "optim.lrr=1e-4"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", *entry, "recipe=debug", "optim.lrr=1e-4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
     assert result.returncode == 2, result.stderr[-3000:]
     assert lines == ["error: command line: unknown key 'optim.lrr'; did you mean 'optim.lr'?"]

@@ -84,16 +84,23 @@ def test_eval_micro_batches_follow_the_batching_mode_and_pad_to_the_ranks_withou
 # ---- bad input: one line, exit code 2, nothing written ----
 
 
-@pytest.mark.parametrize("args, message", [
-    (["eval.source=/nowhere/eval.jsonl"], "eval.source=/nowhere/eval.jsonl: no such file or folder"),
-    (["eval.fraction=0.2", "eval.source=x.jsonl"], "set eval.source (a separate eval set) or eval.fraction"),
-    (["eval.every_steps=5"], "eval.every_steps needs an eval set: set eval.fraction"),
-    (["eval.fraction=0.2", "data.streaming=true", "data.source=x.jsonl"], "which data.streaming=true reads only as"),
-    (["eval.fraction=0.2", "eval.early_stopping_patience=2"], "eval.early_stopping_patience counts evaluations"),
-    (["eval.fraction=1.5"], "eval.fraction=1.5 must be in [0, 1) (the share of data.source held out)"),
-    (["eval.fraction=0.2", "eval.batching=token_budget"], "eval.batching=token_budget needs eval.max_tokens_per"),
-    (["eval.fraction=0.001"], "eval.fraction=0.001 of the 64 rows of data.source=stdlib_docs holds out no row"),
-], ids=["missing", "both", "no-set", "stream", "patience", "fraction", "budget", "too-small"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval.source=/nowhere/eval.jsonl"], "eval.source=/nowhere/eval.jsonl: no such file or folder"),
+        (["eval.fraction=0.2", "eval.source=x.jsonl"], "set eval.source (a separate eval set) or eval.fraction"),
+        (["eval.every_steps=5"], "eval.every_steps needs an eval set: set eval.fraction"),
+        (
+            ["eval.fraction=0.2", "data.streaming=true", "data.source=x.jsonl"],
+            "which data.streaming=true reads only as",
+        ),
+        (["eval.fraction=0.2", "eval.early_stopping_patience=2"], "eval.early_stopping_patience counts evaluations"),
+        (["eval.fraction=1.5"], "eval.fraction=1.5 must be in [0, 1) (the share of data.source held out)"),
+        (["eval.fraction=0.2", "eval.batching=token_budget"], "eval.batching=token_budget needs eval.max_tokens_per"),
+        (["eval.fraction=0.001"], "eval.fraction=0.001 of the 64 rows of data.source=stdlib_docs holds out no row"),
+    ],
+    ids=["missing", "both", "no-set", "stream", "patience", "fraction", "budget", "too-small"],
+)
 def test_bad_eval_keys_are_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
     out = tmp_path / "out"
     assert train.main([*DEBUG, f"train.output_dir={out}", *args]) == 2
@@ -121,11 +128,17 @@ def test_an_eval_source_empty_after_filtering_or_overlapping_training_is_an_erro
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", [
-    ["eval.batching=packed", "eval.micro_batch_size=3"], ["eval.batching=padded", "eval.micro_batch_size=5"],
-    ["eval.batching=length_grouped"], ["eval.batching=token_budget", "eval.max_tokens_per_micro_batch=256"],
-    ["eval.batching=packed", "eval.max_tokens_per_micro_batch=200"],
-], ids=["packed", "padded", "length_grouped", "token_budget", "packed-budget"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["eval.batching=packed", "eval.micro_batch_size=3"],
+        ["eval.batching=padded", "eval.micro_batch_size=5"],
+        ["eval.batching=length_grouped"],
+        ["eval.batching=token_budget", "eval.max_tokens_per_micro_batch=256"],
+        ["eval.batching=packed", "eval.max_tokens_per_micro_batch=200"],
+    ],
+    ids=["packed", "padded", "length_grouped", "token_budget", "packed-budget"],
+)
 def test_eval_loss_is_the_float64_token_mean_of_the_held_out_rows(mode, tmp_path):
     from finetune.assemble import build
 
@@ -146,10 +159,25 @@ def test_eval_loss_is_the_float64_token_mean_of_the_held_out_rows(mode, tmp_path
 @pytest.mark.subprocess
 def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_samples_table(tmp_path):
     out = tmp_path / "run"
-    args = [*DEBUG, *HELD_OUT, "log.wandb_mode=offline", "eval.every_steps=3", "eval.samples=2",
-            "eval.prompts=[Say hi.]", "eval.max_new_tokens=6", "eval.best_checkpoint=true", f"train.output_dir={out}"]
-    result = subprocess.run([sys.executable, "finetune/train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        *DEBUG,
+        *HELD_OUT,
+        "log.wandb_mode=offline",
+        "eval.every_steps=3",
+        "eval.samples=2",
+        "eval.prompts=[Say hi.]",
+        "eval.max_new_tokens=6",
+        "eval.best_checkpoint=true",
+        f"train.output_dir={out}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     evals = eval_entries(history)
@@ -186,10 +214,11 @@ def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_sam
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = AutoModelForCausalLM.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
-        new = model.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+        new = model.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert table["data"][-1][2] == tokenizer.decode(new, skip_special_tokens=True).strip()
 
     best = json.loads((out / "best" / "best.json").read_text())
@@ -215,8 +244,17 @@ def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_sam
 # ---- best model, early stopping, resume ----
 
 
-EARLY = [*DEBUG, *HELD_OUT, "data.max_length=64", "train.max_steps=8", "optim.lr=3e-2", "eval.every_steps=1",
-         "eval.best_checkpoint=true", "eval.early_stopping_patience=2", "train.save_steps=1"]
+EARLY = [
+    *DEBUG,
+    *HELD_OUT,
+    "data.max_length=64",
+    "train.max_steps=8",
+    "optim.lr=3e-2",
+    "eval.every_steps=1",
+    "eval.best_checkpoint=true",
+    "eval.early_stopping_patience=2",
+    "train.save_steps=1",
+]
 
 
 @pytest.mark.e2e
@@ -234,8 +272,10 @@ def test_best_model_and_early_stopping_resume_exactly(tmp_path):
         assert state["global_step"] == best + 2 < 8 and [e["step"] for e in evals] == list(range(best + 3))
         assert state["best_global_step"] == best and state["best_metric"] == losses[best]
         assert json.loads((whole / "best" / "best.json").read_text()) == {"step": best, "eval_loss": losses[best]}
-        saved, at_best = load_file(whole / "best" / "model.safetensors"), load_file(
-            whole / f"checkpoint-{best}" / "model.safetensors")
+        saved, at_best = (
+            load_file(whole / "best" / "model.safetensors"),
+            load_file(whole / f"checkpoint-{best}" / "model.safetensors"),
+        )
         assert all(torch.equal(saved[n], at_best[n]) for n in at_best)
 
         resumed = tmp_path / "resumed"  # what a run killed after its checkpoint at best + 1 left behind
@@ -266,9 +306,19 @@ def test_streamed_training_evaluates_on_a_separate_eval_source(tmp_path):
 
     data = write_jsonl(tmp_path / "train.jsonl", [chat(f"What is {k}?", f"It is {k}.") for k in range(16)])
     held = write_jsonl(tmp_path / "eval.jsonl", [chat(f"What is {k}?", f"It is {k}.") for k in range(16, 21)])
-    cfg = load_config([*DEBUG, f"data.source={data}", "data.streaming=true", "data.batching=padded",
-                       f"eval.source={held}", "eval.samples=1", "eval.max_new_tokens=2", "train.max_steps=2",
-                       f"train.output_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        [
+            *DEBUG,
+            f"data.source={data}",
+            "data.streaming=true",
+            "data.batching=padded",
+            f"eval.source={held}",
+            "eval.samples=1",
+            "eval.max_new_tokens=2",
+            "train.max_steps=2",
+            f"train.output_dir={tmp_path / 'out'}",
+        ]
+    )
     trainer = build(cfg)
     trainer.train()
     evals = eval_entries(trainer.state.log_history)
@@ -280,10 +330,22 @@ def test_a_vlm_generates_samples_from_held_out_images(tiny_vlm_folder, tmp_path)
     from finetune.assemble import build
     from finetune.training.samples import GenerateSamples
 
-    cfg = load_config([f"model.name_or_path={tiny_vlm_folder}", "data.source=shapes_captions", "data.limit=16",
-                       "train.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=1",
-                       f"train.output_dir={tmp_path}", "log.wandb_mode=disabled", "eval.fraction=0.25",
-                       "eval.samples=2", "eval.max_new_tokens=3", "eval.prompts=[Describe the image.]"])
+    cfg = load_config(
+        [
+            f"model.name_or_path={tiny_vlm_folder}",
+            "data.source=shapes_captions",
+            "data.limit=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path}",
+            "log.wandb_mode=disabled",
+            "eval.fraction=0.25",
+            "eval.samples=2",
+            "eval.max_new_tokens=3",
+            "eval.prompts=[Describe the image.]",
+        ]
+    )
     trainer = build(cfg)
     trainer.train()
     evals = eval_entries(trainer.state.log_history)
@@ -294,8 +356,9 @@ def test_a_vlm_generates_samples_from_held_out_images(tiny_vlm_folder, tmp_path)
     held = [r for r in samples.rows if r[3]]
     assert len(held) == 4 and all(r[1].startswith("[image] ") and r[3].endswith(".") for r in held)
     trainer.model.train()
-    samples.on_evaluate(trainer.args, trainer.state, trainer.control, model=trainer.model,
-                        processing_class=trainer.processing_class)
+    samples.on_evaluate(
+        trainer.args, trainer.state, trainer.control, model=trainer.model, processing_class=trainer.processing_class
+    )
     assert trainer.model.training and len(samples.rows) == 9  # back in the mode it was in
 
 
@@ -318,16 +381,42 @@ def test_verify_and_plan_work_with_eval_keys(tmp_path, capsys):
 def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
     """12 eval rows in 3 micro-batches on 2 ranks: a fourth, target-free one pads them, so no rank repeats a row; the
     samples run the same number of steps on both ranks (no hang)."""
-    common = [*DEBUG, *HELD_OUT, "eval.micro_batch_size=5", "eval.samples=1", "eval.max_new_tokens=3",
-              "train.max_steps=2", "optim.name=sgd", "optim.lr=0.5"]
+    common = [
+        *DEBUG,
+        *HELD_OUT,
+        "eval.micro_batch_size=5",
+        "eval.samples=1",
+        "eval.max_new_tokens=3",
+        "train.max_steps=2",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for cmd in ([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
-                [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-                 "finetune/train.py", *common, f"train.output_dir={two}"]):
-        result = subprocess.run(cmd, cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "true"}, capture_output=True,
-                                text=True, timeout=600)
+    for cmd in (
+        [sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
+        [
+            str(Path(sys.executable).with_name("accelerate")),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            "finetune/train.py",
+            *common,
+            f"train.output_dir={two}",
+        ],
+    ):
+        result = subprocess.run(
+            cmd, cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=600
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     evals = [eval_entries(json.loads((out / "trainer_state.json").read_text())["log_history"]) for out in (one, two)]
     assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]] == [0, 2]

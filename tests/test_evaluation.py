@@ -34,8 +34,12 @@ def test_eval_loss_is_the_token_mean_of_the_whole_set_at_every_eval_batch_size(n
     rows = eval_rows() if kind.shift else kind.rows(23, 9)
     _, reference = reference_gradient(model, rows, forward=kind.forward, shift=kind.shift)
     for batch in (1, 3, 7, 16):
-        trainer = TokenNormTrainer(model=model, args=sgd_args(tmp_path, 1, 1, per_device_eval_batch_size=batch),
-                                   eval_dataset=rows, data_collator=PadEachCollator())
+        trainer = TokenNormTrainer(
+            model=model,
+            args=sgd_args(tmp_path, 1, 1, per_device_eval_batch_size=batch),
+            eval_dataset=rows,
+            data_collator=PadEachCollator(),
+        )
         metrics = trainer.evaluate()
         assert abs(metrics["eval_loss"] - reference) / reference <= 1e-6, (batch, metrics["eval_loss"], reference)
         assert metrics["eval_label_tokens"] == target_count(rows, kind.shift)
@@ -50,8 +54,12 @@ def test_trainers_eval_loss_moves_with_the_eval_batch_size_where_ours_does_not(t
     _, reference = reference_gradient(model, rows)
     errors = []
     for batch in (3, 7, 16):
-        stock = Trainer(model=model, args=sgd_args(tmp_path, 1, 1, per_device_eval_batch_size=batch),
-                        eval_dataset=rows, data_collator=RecordingCollator())
+        stock = Trainer(
+            model=model,
+            args=sgd_args(tmp_path, 1, 1, per_device_eval_batch_size=batch),
+            eval_dataset=rows,
+            data_collator=RecordingCollator(),
+        )
         errors.append(abs(stock.evaluate()["eval_loss"] - reference) / reference)
     assert max(errors) > 1e-5, errors  # ten times the bound ours holds (an untrained model's losses are all ~log V)
 
@@ -61,8 +69,16 @@ def test_trainers_eval_loss_moves_with_the_eval_batch_size_where_ours_does_not(t
 def test_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/workers/eval_worker.py", str(out), str(tmp_path / "trainer")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "tests/workers/eval_worker.py",
+        str(out),
+        str(tmp_path / "trainer"),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     metrics = json.loads(out.read_text())
@@ -78,8 +94,13 @@ def test_a_resumed_run_logs_the_same_history_as_the_uninterrupted_run(tmp_path):
         args = sgd_args(out, 2, 2, max_steps=6)
         args.optim, args.learning_rate, args.save_strategy, args.save_steps = "adamw_torch", 1e-2, "steps", 3
         args.eval_strategy, args.eval_steps, args.per_device_eval_batch_size = "steps", 2, 3
-        return TokenNormTrainer(model=tiny_llama(), args=args, train_dataset=ragged_rows(24, 4),
-                                eval_dataset=eval_rows(7), data_collator=RecordingCollator())
+        return TokenNormTrainer(
+            model=tiny_llama(),
+            args=args,
+            train_dataset=ragged_rows(24, 4),
+            eval_dataset=eval_rows(7),
+            data_collator=RecordingCollator(),
+        )
 
     whole = trainer_in(tmp_path / "whole")
     whole.train()
@@ -88,8 +109,10 @@ def test_a_resumed_run_logs_the_same_history_as_the_uninterrupted_run(tmp_path):
 
     def history(trainer):  # the keys transformers' own resume test skips: they measure time
         skip = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
-        return [{k: v for k, v in e.items() if k not in skip and not k.endswith(("_runtime", "_per_second"))}
-                for e in trainer.state.log_history]
+        return [
+            {k: v for k, v in e.items() if k not in skip and not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history
+        ]
 
     assert history(resumed) == history(whole)
     steps = [e for e in whole.state.log_history if "grad_norm" in e]
@@ -109,12 +132,16 @@ def test_timing_figures_reach_the_callbacks_but_not_the_saved_history(tmp_path):
             self.logs.append(dict(logs))
 
     seen = Seen()
-    trainer = TokenNormTrainer(model=tiny_llama(), args=sgd_args(tmp_path, 2, 1, max_steps=2), callbacks=[seen],
-                               train_dataset=ragged_rows(4, 1), data_collator=RecordingCollator())
+    trainer = TokenNormTrainer(
+        model=tiny_llama(),
+        args=sgd_args(tmp_path, 2, 1, max_steps=2),
+        callbacks=[seen],
+        train_dataset=ragged_rows(4, 1),
+        data_collator=RecordingCollator(),
+    )
     trainer.train()
     step_logs = [e for e in seen.logs if "grad_norm" in e]
     assert len(step_logs) == 2 and all(e["real_tokens_per_s"] > 0 and e["peak_mem_mb"] > 0 for e in step_logs)
     saved = [e for e in trainer.state.log_history if "grad_norm" in e]
     assert all("real_tokens_per_s" not in e and "peak_mem_mb" not in e for e in saved)
     assert [e["loss"] for e in saved] == [e["loss"] for e in step_logs]
-

@@ -27,8 +27,15 @@ STREAM = [*BASE, "data.streaming=true", "train.max_steps=6"]  # 2 optimizer step
 
 
 def run(args: list[str], env: dict | None = None, preexec=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "finetune/train.py", *args], cwd=ROOT, env={**ENV, **(env or {})},
-                          capture_output=True, text=True, timeout=600, preexec_fn=preexec)
+    return subprocess.run(
+        [sys.executable, "finetune/train.py", *args],
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=preexec,
+    )
 
 
 def signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
@@ -62,8 +69,14 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
     assert state["data_position"]["dataset_items"] == "stream"
 
     out = tmp_path / "stopped"
-    cmd = [sys.executable, "finetune/train.py", *STREAM, "train.save_steps=2", f"train.output_dir={out}",
-           "train.resume_from=auto"]
+    cmd = [
+        sys.executable,
+        "finetune/train.py",
+        *STREAM,
+        "train.save_steps=2",
+        f"train.output_dir={out}",
+        "train.resume_from=auto",
+    ]
     code, stdout = signalled(cmd, signal.SIGTERM, "step 1/6")  # mid-pass, before the first save_steps checkpoint
     assert code == 0 and "stopped by SIGTERM" in stdout, stdout[-3000:]
     first = checkpoint_names(out)
@@ -81,10 +94,18 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
 
 
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "finetune/train.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "finetune/train.py",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.e2e
@@ -121,11 +142,16 @@ def assert_fault_line(result: subprocess.CompletedProcess, pattern: str) -> None
 @pytest.mark.subprocess
 def test_a_file_size_limit_hit_in_torch_save_is_one_line_and_leaves_no_staging(tmp_path):
     out = tmp_path / "out"  # model.safetensors (12.6 MB) fits under 20 MB, optimizer.pt (25 MB, torch.save) does not
-    result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"],
-                 preexec=limit_file_size(20 * 2**20))
-    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(torch\.save could not "
-                              r"write its file: File too large\); a file grew past this process's file size limit "
-                              r"\(ulimit -f\); raise it")
+    result = run(
+        [*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"],
+        preexec=limit_file_size(20 * 2**20),
+    )
+    assert_fault_line(
+        result,
+        r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(torch\.save could not "
+        r"write its file: File too large\); a file grew past this process's file size limit "
+        r"\(ulimit -f\); raise it",
+    )
     assert not out.exists() or not list(out.rglob("*.safetensors"))  # no staging, no checkpoint
 
 
@@ -144,8 +170,11 @@ def small_disk(tmp_path):
 def test_a_full_disk_while_torch_save_writes_is_one_line_with_disk_advice(small_disk):
     out = small_disk / "out"
     result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
-    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-2 failed \((torch\.save could not "
-                              r"write its file: )?No space left on device\); the disk is full; free space there")
+    assert_fault_line(
+        result,
+        r"^error: train\.output_dir=\S+: writing checkpoint-2 failed \((torch\.save could not "
+        r"write its file: )?No space left on device\); the disk is full; free space there",
+    )
     assert not (out / ".staging").exists() and checkpoint_names(out) == ["checkpoint-1"]  # the older one stays
     assert os.statvfs(small_disk).f_bfree * os.statvfs(small_disk).f_frsize > 20 * 2**20  # nothing half-written left
 
@@ -155,26 +184,38 @@ def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path):
     out = tmp_path / "out"
     staging = out / ".staging"  # where checkpoints are written first: a read-only file system
     staging.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(staging)],
-                      capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(staging)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
     finally:
         subprocess.run(["umount", "-l", str(staging)], capture_output=True)
-    assert_fault_line(result, r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(Read-only file system\); "
-                              r"the file system is read-only \(a disk error can remount it so\); choose a writable")
+    assert_fault_line(
+        result,
+        r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(Read-only file system\); "
+        r"the file system is read-only \(a disk error can remount it so\); choose a writable",
+    )
 
 
-@pytest.mark.parametrize("error, pattern", [
-    (OSError(errno.ENOSPC, "No space left on device", "/x/optimizer.pt"),
-     r"^/x/optimizer\.pt: No space left on device; the disk is full"),
-    (OSError(errno.EDQUOT, "Disk quota exceeded", "/x/a"), r"Disk quota exceeded; your disk quota is used up"),
-    (OSError(errno.EROFS, "Read-only file system", "/x/a"), r"Read-only file system; the file system is read-only"),
-    (OSError(errno.EACCES, "Permission denied", "/x/a"), r"Permission denied; no permission for it; fix"),
-    (MemoryError(), r"^out of host memory \(MemoryError\)"),
-    (RuntimeError("Connection closed by peer [127.0.0.1]:41234"), r"^lost another rank \(Connection closed by peer "),
-])
+@pytest.mark.parametrize(
+    "error, pattern",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/x/optimizer.pt"),
+            r"^/x/optimizer\.pt: No space left on device; the disk is full",
+        ),
+        (OSError(errno.EDQUOT, "Disk quota exceeded", "/x/a"), r"Disk quota exceeded; your disk quota is used up"),
+        (OSError(errno.EROFS, "Read-only file system", "/x/a"), r"Read-only file system; the file system is read-only"),
+        (OSError(errno.EACCES, "Permission denied", "/x/a"), r"Permission denied; no permission for it; fix"),
+        (MemoryError(), r"^out of host memory \(MemoryError\)"),
+        (
+            RuntimeError("Connection closed by peer [127.0.0.1]:41234"),
+            r"^lost another rank \(Connection closed by peer ",
+        ),
+    ],
+)
 def test_machine_and_peer_faults_are_classified_with_matching_advice(error, pattern):
     from finetune.tools.boundary import machine_fault
 
@@ -205,18 +246,39 @@ def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
     """Two launchers of one rank each (as two machines): rank 1 is killed after step 2; rank 0 is not killed by its
     own launcher, so it meets the dead peer in a collective and says so."""
     port, out = free_port(), tmp_path / "out"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1",
-         "--master_addr=127.0.0.1", f"--master_port={port}", "tests/workers/fault_worker.py", "die:1:2", *BASE,
-         "train.max_steps=6", f"train.output_dir={out}"],
-        cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={r}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "tests/workers/fault_worker.py",
+                "die:1:2",
+                *BASE,
+                "train.max_steps=6",
+                f"train.output_dir={out}",
+            ],
+            cwd=ROOT,
+            env={**ENV, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     (_, survivor), _ = (p.communicate(timeout=600) for p in procs)
     errors = [line for line in survivor.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, survivor[-3000:]
-    assert re.match(r"error: rank 0: lost rank 1 \(.*(Connection (reset|closed) by peer|Broken pipe).*\): rank 1 "
-                    r"stopped first \(killed, out of memory, or its machine failed\); .* train\.resume_from=auto$",
-                    errors[0]), errors[0]
+    assert re.match(
+        r"error: rank 0: lost rank 1 \(.*(Connection (reset|closed) by peer|Broken pipe).*\): rank 1 "
+        r"stopped first \(killed, out of memory, or its machine failed\); .* train\.resume_from=auto$",
+        errors[0],
+    ), errors[0]
     assert "exitcode  : 2" in survivor and "a bug in finetune" not in survivor
 
 
@@ -247,22 +309,35 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
 
     assert (four_steps / "checkpoint-2" / "recipe.yaml").read_text().count("lr: 0.001") == 1
     out = from_checkpoint(four_steps, 2, tmp_path)
-    result = run([*BASE, "train.max_steps=4", "train.save_steps=1", f"train.output_dir={out}",
-                  "train.resume_from=auto", "optim.lr=5e-4"])
+    result = run(
+        [
+            *BASE,
+            "train.max_steps=4",
+            "train.save_steps=1",
+            f"train.output_dir={out}",
+            "train.resume_from=auto",
+            "optim.lr=5e-4",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: resuming with")]
-    assert warnings == ["warning: resuming with optim.lr 0.001 → 0.0005: applied from optimizer step 3 (the optimizer "
-                        "and scheduler take them; steps 1-2 trained with the recorded values, and recipe.yaml says so)"]
+    assert warnings == [
+        "warning: resuming with optim.lr 0.001 → 0.0005: applied from optimizer step 3 (the optimizer "
+        "and scheduler take them; steps 1-2 trained with the recorded values, and recipe.yaml says so)"
+    ]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert [e["learning_rate"] for e in history if "loss" in e] == [1e-3, 1e-3, 5e-4, 5e-4]
     # AdamW (no weight decay) from the same state and gradient moves each weight by lr × m/(√v+ε): half of step 3's
     # move at 1e-3 in the uninterrupted run
-    before, at_1e3 = load_file(four_steps / "checkpoint-2" / "model.safetensors"), load_file(
-        four_steps / "checkpoint-3" / "model.safetensors")
+    before, at_1e3 = (
+        load_file(four_steps / "checkpoint-2" / "model.safetensors"),
+        load_file(four_steps / "checkpoint-3" / "model.safetensors"),
+    )
     at_5e4 = load_file(out / "checkpoint-3" / "model.safetensors")
     for name in before:
-        torch.testing.assert_close(at_5e4[name] - before[name], 0.5 * (at_1e3[name] - before[name]), rtol=1e-4,
-                                   atol=1e-7)
+        torch.testing.assert_close(
+            at_5e4[name] - before[name], 0.5 * (at_1e3[name] - before[name]), rtol=1e-4, atol=1e-7
+        )
     recipe = (out / "recipe.yaml").read_text()
     assert recipe.startswith("# resumed at optimizer step 2: optim.lr 0.001 → 0.0005\n") and "lr: 0.0005" in recipe
     assert (out / "checkpoint-4" / "recipe.yaml").read_text() == recipe
@@ -270,13 +345,22 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
 
 @pytest.mark.e2e
 @pytest.mark.subprocess
-@pytest.mark.parametrize("change, message", [
-    ("optim.name=sgd", r"was trained with optim\.name=adamw, this run has optim\.name=sgd; resume with the recipe "
-                       r"that wrote it, or start fresh in another train\.output_dir$"),
-    ("model.lora.r=4", r"was trained with model\.lora\.r=8, this run has model\.lora\.r=4; resume with the recipe"),
-    ("data.loss_on=all", r"was trained with data\.loss_on=assistant, this run has data\.loss_on=all \(other rows\); "
-                         r"set it as that run had it, or set train\.resume_data_order_change=allow$"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            "optim.name=sgd",
+            r"was trained with optim\.name=adamw, this run has optim\.name=sgd; resume with the recipe "
+            r"that wrote it, or start fresh in another train\.output_dir$",
+        ),
+        ("model.lora.r=4", r"was trained with model\.lora\.r=8, this run has model\.lora\.r=4; resume with the recipe"),
+        (
+            "data.loss_on=all",
+            r"was trained with data\.loss_on=assistant, this run has data\.loss_on=all \(other rows\); "
+            r"set it as that run had it, or set train\.resume_data_order_change=allow$",
+        ),
+    ],
+)
 def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change, message, four_steps, tmp_path):
     out = from_checkpoint(four_steps, 2, tmp_path)
     result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto", change])
@@ -288,9 +372,15 @@ def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change
 
 
 def chat_rows(path: Path, answers: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {k}?"},
-                                                     {"role": "assistant", "content": a}]}) + "\n"
-                            for k, a in enumerate(answers)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"question {k}?"}, {"role": "assistant", "content": a}]}
+            )
+            + "\n"
+            for k, a in enumerate(answers)
+        )
+    )
     return path
 
 
@@ -299,11 +389,17 @@ def test_the_fingerprint_covers_every_row_and_not_the_chunking():
 
     from finetune.training.resume_checks import data_fingerprint
 
-    rows = {"input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(600)],
-            "labels": [[-100] * 3 + list(range(6)) for _ in range(600)]}
+    rows = {
+        "input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(600)],
+        "labels": [[-100] * 3 + list(range(6)) for _ in range(600)],
+    }
     whole = datasets.Dataset.from_dict(rows)
-    chunked = datasets.concatenate_datasets([datasets.Dataset.from_dict({k: v[:250] for k, v in rows.items()}),
-                                             datasets.Dataset.from_dict({k: v[250:] for k, v in rows.items()})])
+    chunked = datasets.concatenate_datasets(
+        [
+            datasets.Dataset.from_dict({k: v[:250] for k, v in rows.items()}),
+            datasets.Dataset.from_dict({k: v[250:] for k, v in rows.items()}),
+        ]
+    )
     assert chunked.data.column("input_ids").num_chunks == 2 and data_fingerprint(whole) == data_fingerprint(chunked)
     rows["labels"][417][5] = -100  # one label of one row in the middle
     assert data_fingerprint(datasets.Dataset.from_dict(rows)) != data_fingerprint(whole)
@@ -315,16 +411,24 @@ def test_the_fingerprint_covers_every_row_and_not_the_chunking():
 def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(streaming, tmp_path):
     data = chat_rows(tmp_path / "rows.jsonl", [f"answer number {k}." for k in range(16)])
     out = tmp_path / "out"
-    args = [*BASE, f"data.source={data}", "train.max_steps=3", f"train.output_dir={out}",
-            f"data.streaming={str(streaming).lower()}"]
+    args = [
+        *BASE,
+        f"data.source={data}",
+        "train.max_steps=3",
+        f"train.output_dir={out}",
+        f"data.streaming={str(streaming).lower()}",
+    ]
     first = run([*args, "train.save_steps=1", "train.max_steps=1"])
     assert first.returncode == 0, first.stderr[-3000:]
     chat_rows(data, [f"answer number {k}." if k != 3 else "another answer." for k in range(16)])  # one row changed
     refused = run([*args, "train.resume_from=auto"])
-    assert_fault_line(refused, r"^error: train\.resume_from: resuming with data_fingerprint [0-9a-f]{16} → "
-                               r"[0-9a-f]{16} would train on another data order and position .*set data\.source \(its "
-                               r"rows as read differ: the file was rewritten, or another one named\) as that run had "
-                               r"them, or set train\.resume_data_order_change=allow")
+    assert_fault_line(
+        refused,
+        r"^error: train\.resume_from: resuming with data_fingerprint [0-9a-f]{16} → "
+        r"[0-9a-f]{16} would train on another data order and position .*set data\.source \(its "
+        r"rows as read differ: the file was rewritten, or another one named\) as that run had "
+        r"them, or set train\.resume_data_order_change=allow",
+    )
     allowed = run([*args, "train.resume_from=auto", "train.resume_data_order_change=allow"])
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "resuming with data_fingerprint" in allowed.stderr  # the warning
@@ -353,32 +457,61 @@ def wandb_env(tmp_path: Path, url: str, key: bool) -> dict:
 def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(silent_service, tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, silent_service, key=True)}.items() if v}
-    result = subprocess.run([sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=auto", "train.max_steps=1",
-                             f"train.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "finetune/train.py",
+            *BASE,
+            "log.wandb_mode=auto",
+            "train.max_steps=1",
+            f"train.output_dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: log.wandb_mode=auto")]
-    assert warnings == [f"warning: log.wandb_mode=auto: the W&B service {silent_service} did not answer within 3 s "
-                        "(timed out); logging offline (upload later with `wandb sync`)"], result.stderr[-3000:]
+    assert warnings == [
+        f"warning: log.wandb_mode=auto: the W&B service {silent_service} did not answer within 3 s "
+        "(timed out); logging offline (upload later with `wandb sync`)"
+    ], result.stderr[-3000:]
     assert list((out / "wandb").glob("offline-run-*"))
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("key, message", [
-    (False, r"^error: log\.wandb_mode=online needs a W&B API key \(WANDB_API_KEY, or `wandb login`\); log in, or set "
-            r"log\.wandb_mode=offline"),
-    (True, r"^error: log\.wandb_mode=online: the W&B service http://127\.0\.0\.1:\d+ did not answer within 3 s \(.*"
-           r"refused.*\); check the network \(or WANDB_BASE_URL\), or set log\.wandb_mode=offline"),
-], ids=["no key", "no network"])
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (
+            False,
+            r"^error: log\.wandb_mode=online needs a W&B API key \(WANDB_API_KEY, or `wandb login`\); log in, or set "
+            r"log\.wandb_mode=offline",
+        ),
+        (
+            True,
+            r"^error: log\.wandb_mode=online: the W&B service http://127\.0\.0\.1:\d+ did not answer within 3 s \(.*"
+            r"refused.*\); check the network \(or WANDB_BASE_URL\), or set log\.wandb_mode=offline",
+        ),
+    ],
+    ids=["no key", "no network"],
+)
 def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(key, message, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused at once
     out = tmp_path / "out"
     env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, url, key)}.items() if v}
     if not key:
         env.pop("WANDB_API_KEY", None)
-    result = subprocess.run([sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=online",
-                             f"train.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=online", f"train.output_dir={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert_fault_line(result, message)
     assert not out.exists()
 
@@ -391,8 +524,17 @@ def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(
 def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_step(tmp_path):
     held = chat_rows(tmp_path / "eval.jsonl", [f"held-out answer {k} " * 6 for k in range(1200)])
     out = tmp_path / "out"
-    cmd = [sys.executable, "finetune/train.py", *BASE, "train.max_steps=4", f"train.output_dir={out}",
-           f"eval.source={held}", "eval.every_steps=2", "eval.micro_batch_size=4", "eval.samples=1"]
+    cmd = [
+        sys.executable,
+        "finetune/train.py",
+        *BASE,
+        "train.max_steps=4",
+        f"train.output_dir={out}",
+        f"eval.source={held}",
+        "eval.every_steps=2",
+        "eval.micro_batch_size=4",
+        "eval.samples=1",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -415,9 +557,19 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp
     """accelerate's one-process launcher exits at once on SIGTERM; the training process it started learns of it
     (PR_SET_PDEATHSIG), finishes its step and saves instead of training on unseen."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=1", "--num_machines=1",
-           "--mixed_precision=no", "--dynamo_backend=no", "finetune/train.py", *BASE, "train.max_steps=40",
-           f"train.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes=1",
+        "--num_machines=1",
+        "--mixed_precision=no",
+        "--dynamo_backend=no",
+        "finetune/train.py",
+        *BASE,
+        "train.max_steps=40",
+        f"train.output_dir={out}",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines = []
     for line in proc.stdout:
@@ -440,10 +592,26 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp
 @pytest.mark.parametrize("to_group", [False, True], ids=["torchrun", "its process group"])
 def test_sigterm_to_torchrun_with_two_ranks_saves_and_the_launcher_code_is_documented(to_group, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune/train.py",
-           *BASE, "train.max_steps=40", f"train.output_dir={out}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "finetune/train.py",
+        *BASE,
+        "train.max_steps=40",
+        f"train.output_dir={out}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**ENV, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -481,7 +649,7 @@ def test_a_resumed_run_reports_the_whole_runs_train_loss_and_no_missing_tied_hea
     assert result.returncode == 0, result.stderr[-3000:]
     assert "missing keys" not in result.stderr and "lm_head" not in result.stderr
     assert train_loss(out) == train_loss(four_steps) > 0  # bitwise: the same sum in the same order
-    table = result.stdout[result.stdout.index("done:"):]
+    table = result.stdout[result.stdout.index("done:") :]
     assert re.search(rf"optimizer steps +4 \(resumed after step {start}\)", table), table
     assert re.search(rf"train loss +{train_loss(four_steps):.4f} \(mean over all 4 steps\)", table), table
     if start == 2:

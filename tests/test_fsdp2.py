@@ -34,8 +34,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     tiny_llama().save_pretrained(tmp / "tiny")  # the trainer path loads it sharded; same weights as tiny_llama()
     out = tmp / "results.pt"
-    torchrun_standalone(["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED),
-                         str(MAX_NORM)])
+    torchrun_standalone(
+        ["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED), str(MAX_NORM)]
+    )
     return torch.load(out, weights_only=False)
 
 

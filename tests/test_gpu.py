@@ -30,17 +30,35 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def cuda_args(output_dir, micro, accumulation, precision, **extra):
     """SGD lr 1 (the parameter change is minus the applied gradient) on the GPU, in the given precision."""
     return TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-        num_train_epochs=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        report_to=[], save_strategy="no", seed=0, remove_unused_columns=False, dataloader_num_workers=0,
-        disable_tqdm=True, bf16=precision == "bf16", fp16=precision == "fp16", **extra,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        num_train_epochs=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        **extra,
     )
 
 
 def train_on_cuda(model, rows, tmp_path, micro, accumulation, precision, **extra):
     collator, snapshots = RecordingCollator(), SnapshotCallback()
-    trainer = TokenNormTrainer(model=model, args=cuda_args(tmp_path, micro, accumulation, precision, **extra),
-                               train_dataset=rows, data_collator=collator, callbacks=[snapshots])
+    trainer = TokenNormTrainer(
+        model=model,
+        args=cuda_args(tmp_path, micro, accumulation, precision, **extra),
+        train_dataset=rows,
+        data_collator=collator,
+        callbacks=[snapshots],
+    )
     trainer.train()
     windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
     cpu = [{n: t.cpu() for n, t in snap.items()} for snap in snapshots.snapshots]
@@ -50,8 +68,9 @@ def train_on_cuda(model, rows, tmp_path, micro, accumulation, precision, **extra
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_training_is_exact_within_its_own_error(precision, tmp_path):
     initial = tiny_llama()
-    trainer, windows, snapshots = train_on_cuda(copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3,
-                                                precision)
+    trainer, windows, snapshots = train_on_cuda(
+        copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3, precision
+    )
     assert trainer._chunked_head is not False  # the head ran chunked under the accelerate-wrapped forward
     for k, window in enumerate(windows):
         if torch.equal(snapshots[k]["lm_head.weight"], snapshots[k + 1]["lm_head.weight"]):
@@ -100,10 +119,12 @@ def test_fp16_overflow_skips_the_step_and_holds_the_schedule(tmp_path):
     tests/test_mixed_precision.py.)"""
     model = tiny_llama().cuda()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = cuda_args(tmp_path, 2, 1, "fp16", max_steps=2, lr_scheduler_type="linear", optim="adamw_torch",
-                     learning_rate=1e-3)
-    trainer = TokenNormTrainer(model=model, args=args, train_dataset=ragged_rows(8, seed=1),
-                               data_collator=RecordingCollator())
+    args = cuda_args(
+        tmp_path, 2, 1, "fp16", max_steps=2, lr_scheduler_type="linear", optim="adamw_torch", learning_rate=1e-3
+    )
+    trainer = TokenNormTrainer(
+        model=model, args=args, train_dataset=ragged_rows(8, seed=1), data_collator=RecordingCollator()
+    )
     trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40, growth_interval=1000)
     lrs = []
 
@@ -122,10 +143,20 @@ def test_training_path_syncs_at_most_once_per_micro_batch_plus_three_per_step(tm
     1,000 steps) since a logged step reads its figures by design."""
     model = tiny_llama().cuda()
     micro_batches, steps = 3, 4
-    args = cuda_args(tmp_path, 2, micro_batches, "bf16", max_steps=steps, logging_steps=1000, max_grad_norm=1.0,
-                     logging_nan_inf_filter=False, dataloader_pin_memory=True)
-    trainer = TokenNormTrainer(model=model, args=args, train_dataset=ragged_rows(48, seed=2),
-                               data_collator=RecordingCollator())
+    args = cuda_args(
+        tmp_path,
+        2,
+        micro_batches,
+        "bf16",
+        max_steps=steps,
+        logging_steps=1000,
+        max_grad_norm=1.0,
+        logging_nan_inf_filter=False,
+        dataloader_pin_memory=True,
+    )
+    trainer = TokenNormTrainer(
+        model=model, args=args, train_dataset=ragged_rows(48, seed=2), data_collator=RecordingCollator()
+    )
 
     class CountFromStepTwo(TrainerCallback):
         def on_step_begin(self, *a, **k):  # the first step compiles, probes and allocates: counted from step 2

@@ -49,7 +49,8 @@ def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
 
     head = steps["loss_head"]["figures"]
     assert {(r["arm"], r["precision"]) for r in head["rows"]} == {
-        (a, p) for a in ("ours", "torch", "plain") for p in ("fp32", "bf16")}
+        (a, p) for a in ("ours", "torch", "plain") for p in ("fp32", "bf16")
+    }
     for r in head["rows"]:
         bound = 1e-5 if r["precision"] == "fp32" else 5e-2
         assert 0 < r["grad_weight_error"] < bound and 0 < r["grad_hidden_error"] < bound, r

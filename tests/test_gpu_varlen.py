@@ -58,8 +58,9 @@ def attention_inputs(dtype=torch.bfloat16, heads=8, kv_heads=2, head_dim=64):
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, heads // kv_heads
-    kwargs = dict(scaling=head_dim**-0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS),
-                  max_length_k=max(LENGTHS))
+    kwargs = dict(
+        scaling=head_dim**-0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS)
+    )
     return module, q, k, v, kwargs
 
 
@@ -98,9 +99,17 @@ def test_a_packed_layer_makes_no_host_sync():
 def small_llama(seed: int = 0) -> LlamaForCausalLM:
     """Head size 64 (the tiny test models' 8 is below what one would run on a GPU)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attn_implementation="sdpa", pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -110,12 +119,17 @@ def test_a_packed_bf16_model_runs_one_varlen_call_per_layer():
     register(PackedAttention(None), "gpu_per_sequence")
     model = small_llama()
     rows = ragged_rows(12, seed=1, min_len=2, max_len=120)
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v
-             for k, v in row_collator(DataConfig(batching="packed"), None)([dict(r) for r in rows]).items()}
+    batch = {
+        k: v.cuda() if isinstance(v, torch.Tensor) else v
+        for k, v in row_collator(DataConfig(batching="packed"), None)([dict(r) for r in rows]).items()
+    }
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = {}
-    for name, dtype in (("gpu_varlen", torch.bfloat16), ("gpu_per_sequence", torch.bfloat16),
-                        ("gpu_per_sequence", torch.float64)):
+    for name, dtype in (
+        ("gpu_varlen", torch.bfloat16),
+        ("gpu_per_sequence", torch.bfloat16),
+        ("gpu_per_sequence", torch.float64),
+    ):
         copy_ = copy.deepcopy(model).to("cuda", dtype)
         copy_.config._attn_implementation = name
         with torch.no_grad():
@@ -123,8 +137,10 @@ def test_a_packed_bf16_model_runs_one_varlen_call_per_layer():
     assert len(calls) == model.config.num_hidden_layers
     assert all(cu is batch["cu_seq_lens_q"] and m == batch["max_length_q"] for cu, m in calls)
     reference = logits["gpu_per_sequence", torch.float64]
-    err = {name: float((logits[name, torch.bfloat16] - reference).abs().max()) for name in ("gpu_varlen",
-                                                                                           "gpu_per_sequence")}
+    err = {
+        name: float((logits[name, torch.bfloat16] - reference).abs().max())
+        for name in ("gpu_varlen", "gpu_per_sequence")
+    }
     assert within(err["gpu_varlen"], err["gpu_per_sequence"], float(reference.abs().max())), err
 
 
@@ -139,14 +155,31 @@ def train_packed(initial, attention_name: str, tmp_path):
         return collate(rows)
 
     args = TrainingArguments(
-        output_dir=str(tmp_path / attention_name), per_device_train_batch_size=3, gradient_accumulation_steps=2,
-        num_train_epochs=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=0.0, report_to=[], save_strategy="no", seed=0, remove_unused_columns=False, bf16=True,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(tmp_path / attention_name),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        remove_unused_columns=False,
+        bf16=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     snapshots = SnapshotCallback()
-    TokenNormTrainer(model=model, args=args, train_dataset=ragged_rows(12, seed=4, min_len=2, max_len=60),
-                     data_collator=recording_collator, callbacks=[snapshots]).train()
+    TokenNormTrainer(
+        model=model,
+        args=args,
+        train_dataset=ragged_rows(12, seed=4, min_len=2, max_len=60),
+        data_collator=recording_collator,
+        callbacks=[snapshots],
+    ).train()
     return seen, snapshots.snapshots
 
 

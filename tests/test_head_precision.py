@@ -50,8 +50,9 @@ def test_bf16_training_makes_one_forward_per_micro_batch_and_never_full_logits(t
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     model.lm_head.register_forward_hook(lambda module, args, output: head_outputs.append(tuple(output.shape)))
     with caplog.at_level(logging.WARNING):
-        trainer, windows, _ = train_recording(TokenNormTrainer, model, ragged_rows(12, seed=8), tmp_path, 2, 3,
-                                              bf16=True)
+        trainer, windows, _ = train_recording(
+            TokenNormTrainer, model, ragged_rows(12, seed=8), tmp_path, 2, 3, bf16=True
+        )
     assert trainer.accelerator.native_amp and trainer.accelerator.mixed_precision == "bf16"
     assert trainer._chunked_head is trainer.model.lm_head
     assert len(forwards) == 2 * 3  # two optimizer steps of three micro-batches, one forward each
@@ -61,8 +62,9 @@ def test_bf16_training_makes_one_forward_per_micro_batch_and_never_full_logits(t
 
 def test_bf16_training_is_exact_within_bf16s_own_error(tmp_path):
     initial = tiny_llama()
-    _, windows, snapshots = train_recording(TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=8),
-                                            tmp_path, 2, 3, bf16=True)
+    _, windows, snapshots = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3, bf16=True
+    )
     for k, (error, _) in enumerate(step_errors(initial, windows, snapshots)):
         floor = autocast_brute_force_error(initial, snapshots[k], windows[k], torch.bfloat16)
         assert error <= 1.25 * floor and error <= 2 * ROUNDOFF["bf16"], (error, floor)
@@ -112,9 +114,11 @@ def test_chunked_head_in_low_precision_is_as_exact_as_autocast_logits(precision,
     auto.backward()
 
     def errors(value, states_grad, weight_grad):
-        return [abs(float(value) - float(expected[0])) / abs(float(expected[0])),
-                float((states_grad.double() - expected[1]).norm() / expected[1].norm()),
-                float((weight_grad.double() - expected[2]).norm() / expected[2].norm())]
+        return [
+            abs(float(value) - float(expected[0])) / abs(float(expected[0])),
+            float((states_grad.double() - expected[1]).norm() / expected[1].norm()),
+            float((weight_grad.double() - expected[2]).norm() / expected[2].norm()),
+        ]
 
     ours = errors(loss, ours_states.grad, ours_weight.grad)
     theirs = errors(auto, auto_states.grad, auto_weight.grad)

@@ -56,8 +56,9 @@ def test_chunked_head_in_float32_is_within_1e5_of_float64():
     torch.manual_seed(1)
     hidden, weight = torch.randn(2, 40, 24), torch.randn(500, 24) * 0.2
     labels = torch.randint(0, 500, (2, 40))
-    total, _ = head_cross_entropy_sum(hidden[predicting_positions(labels)].requires_grad_(), weight, None,
-                                      next_token_targets(labels))
+    total, _ = head_cross_entropy_sum(
+        hidden[predicting_positions(labels)].requires_grad_(), weight, None, next_token_targets(labels)
+    )
     expected = brute_force_sum(hidden.double(), weight.double(), None, labels)
     assert abs(float(total) - float(expected)) / float(expected) <= 1e-5
 

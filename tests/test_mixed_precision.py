@@ -67,9 +67,18 @@ def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, m
         return loss * 7e4 if self.state.global_step + 1 == 2 and loss.requires_grad else loss
 
     monkeypatch.setattr(RecipeTrainer, "compute_loss", overflowing)
-    cfg = load_config(["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3",
-                       "train.precision=fp16", "schedule.name=linear",
-                       f"train.output_dir={tmp_path}", "log.wandb_mode=disabled"])
+    cfg = load_config(
+        [
+            "recipe=recipes/debug.yaml",
+            "data.limit=16",
+            "data.max_length=64",
+            "train.max_steps=3",
+            "train.precision=fp16",
+            "schedule.name=linear",
+            f"train.output_dir={tmp_path}",
+            "log.wandb_mode=disabled",
+        ]
+    )
     assert train(cfg) == 0
     history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
     lrs = [e["learning_rate"] for e in history if "grad_norm" in e]
@@ -78,12 +87,23 @@ def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, m
 
 # ---- MFU's peak: the device variant and the precision the matmuls run in ----
 
-@pytest.mark.parametrize(("name", "precision", "tflops"), [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "bf16", 835.0),
-    ("NVIDIA H100 PCIe", "fp32", 51.0), ("NVIDIA GH200 480GB", "bf16", 989.0), ("NVIDIA H200 NVL", "fp16", 835.0),
-    ("Tesla V100-SXM2-16GB", "fp16", 125.0), ("Tesla V100-SXM2-16GB", "bf16", None), ("Tesla T4", "bf16", None),
-    ("NVIDIA L40S", "fp32", 91.6), ("Some Other GPU", "bf16", None),
-])
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "bf16", 835.0),
+        ("NVIDIA H100 PCIe", "fp32", 51.0),
+        ("NVIDIA GH200 480GB", "bf16", 989.0),
+        ("NVIDIA H200 NVL", "fp16", 835.0),
+        ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("Tesla T4", "bf16", None),
+        ("NVIDIA L40S", "fp32", 91.6),
+        ("Some Other GPU", "bf16", None),
+    ],
+)
 def test_peak_flops_of_each_device_variant(name, precision, tflops):
     from finetune.meter import device_peak_flops
 
@@ -119,12 +139,19 @@ def test_peak_memory_is_per_log_window_on_a_gpu():
 
 # ---- verify's reference under mixed precision ----
 
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -157,6 +184,7 @@ def test_verify_fp16_without_clipping_passes(capsys):
 
 # ---- FSDP2 under bf16: the window's gradients accumulated and reduced in float32 ----
 
+
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_fsdp2_bf16_accumulates_and_reduces_gradients_in_float32(tmp_path):
@@ -169,8 +197,15 @@ def test_fsdp2_bf16_accumulates_and_reduces_gradients_in_float32(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "precision.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/workers/fsdp2_precision_worker.py", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "tests/workers/fsdp2_precision_worker.py",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -206,19 +241,35 @@ def test_fsdp2_best_model_is_saved_whole_and_the_run_goes_on(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     accelerate = str(Path(sys.executable).with_name("accelerate"))
-    cmd = [accelerate, "launch", "--config_file", "accelerate_configs/fsdp2.yaml", "--num_processes", "1",
-           "finetune/train.py", "recipe=recipes/debug.yaml", "data.limit=40", "data.max_length=64",
-           "eval.fraction=0.25", "eval.samples=0", "train.max_steps=3", "eval.every_steps=1",
-           "eval.best_checkpoint=true", "train.save_steps=2",
-           f"train.output_dir={tmp_path}"]
-    result = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=600)
+    cmd = [
+        accelerate,
+        "launch",
+        "--config_file",
+        "accelerate_configs/fsdp2.yaml",
+        "--num_processes",
+        "1",
+        "finetune/train.py",
+        "recipe=recipes/debug.yaml",
+        "data.limit=40",
+        "data.max_length=64",
+        "eval.fraction=0.25",
+        "eval.samples=0",
+        "train.max_steps=3",
+        "eval.every_steps=1",
+        "eval.best_checkpoint=true",
+        "train.save_steps=2",
+        f"train.output_dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "best" / "model.safetensors").is_file() and (tmp_path / "model.safetensors").is_file()
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] >= 1
 
 
 # ---- ZeRO-3: the DeepSpeed config exists before the model is built ----
+
 
 def test_training_arguments_exist_before_the_model_is_loaded(monkeypatch, tmp_path):
     """transformers registers ZeRO-3's config (zero3_init_flag → deepspeed.zero.Init at from_pretrained) when
@@ -246,6 +297,7 @@ def test_training_arguments_exist_before_the_model_is_loaded(monkeypatch, tmp_pa
 
 
 # ---- DeepSpeed: the verdict is taken before the last backward (engine.step() runs inside it) ----
+
 
 class DecidesBeforeBackward:
     """The recipe trainer taking its verdict where it does under DeepSpeed, with a NaN loss in step 2's last
@@ -277,8 +329,17 @@ def deepspeed_like_run(tmp_path, on_nonfinite: str):
     from finetune.recipe import load_config
     from finetune.training.recipe_trainer import RecipeTrainer
 
-    cfg = load_config(["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3",
-                       "train.save_steps=1", f"train.output_dir={tmp_path}", f"train.on_nonfinite={on_nonfinite}"])
+    cfg = load_config(
+        [
+            "recipe=recipes/debug.yaml",
+            "data.limit=16",
+            "data.max_length=64",
+            "train.max_steps=3",
+            "train.save_steps=1",
+            f"train.output_dir={tmp_path}",
+            f"train.on_nonfinite={on_nonfinite}",
+        ]
+    )
     return build(cfg, trainer_cls=type("Trainer", (DecidesBeforeBackward, RecipeTrainer), {}))
 
 
@@ -309,6 +370,7 @@ def test_stop_before_the_last_backward(tmp_path):
 
 # ---- bad input: a precision the model or the device cannot run ----
 
+
 def recipe(*keys):
     from finetune.recipe import load_config
 
@@ -320,23 +382,42 @@ def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
 
     with pytest.raises(RecipeError) as e:
         recipe("train.precision=fp16", "model.dtype=bfloat16")
-    assert str(e.value) == ("train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
-                            "(or use train.precision=bf16)")
+    assert str(e.value) == (
+        "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
+        "(or use train.precision=bf16)"
+    )
 
 
-@pytest.mark.parametrize(("keys", "gpu", "bf16", "expected"), [
-    (["train.precision=fp16"], None, False, "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or "
-                                            "fp32"),
-    (["train.precision=bf16"], "Tesla V100-SXM2-16GB", False,
-     "train.precision=bf16 needs bf16, which this GPU (Tesla V100-SXM2-16GB) does not have (Ampere or newer does); "
-     "use train.precision=fp16 with model.dtype=float32, or fp32"),
-    (["train.precision=bf16", "model.dtype=bfloat16"], "Tesla T4", False,
-     "train.precision=bf16 and model.dtype=bfloat16 needs bf16, which this GPU (Tesla T4) does not have (Ampere or "
-     "newer does); use train.precision=fp16 with model.dtype=float32, or fp32"),
-    (["train.precision=bf16"], "NVIDIA H100 80GB HBM3", True, None),
-    (["train.precision=bf16"], None, False, None),  # CPU autocast runs bf16
-    (["train.precision=fp16"], "Tesla T4", False, None),
-])
+@pytest.mark.parametrize(
+    ("keys", "gpu", "bf16", "expected"),
+    [
+        (
+            ["train.precision=fp16"],
+            None,
+            False,
+            "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32",
+        ),
+        (
+            ["train.precision=bf16"],
+            "Tesla V100-SXM2-16GB",
+            False,
+            "train.precision=bf16 needs bf16, which this GPU (Tesla V100-SXM2-16GB) does not have "
+            "(Ampere or newer does); "
+            "use train.precision=fp16 with model.dtype=float32, or fp32",
+        ),
+        (
+            ["train.precision=bf16", "model.dtype=bfloat16"],
+            "Tesla T4",
+            False,
+            "train.precision=bf16 and model.dtype=bfloat16 needs bf16, which this GPU (Tesla T4) does not have "
+            "(Ampere or "
+            "newer does); use train.precision=fp16 with model.dtype=float32, or fp32",
+        ),
+        (["train.precision=bf16"], "NVIDIA H100 80GB HBM3", True, None),
+        (["train.precision=bf16"], None, False, None),  # CPU autocast runs bf16
+        (["train.precision=fp16"], "Tesla T4", False, None),
+    ],
+)
 def test_precision_the_device_cannot_run(keys, gpu, bf16, expected):
     from finetune.recipe.checks import precision_on_device
 
@@ -348,9 +429,11 @@ def test_bf16_weights_without_a_float32_copy_are_a_warning_not_an_error(tmp_path
 
     build(recipe("model.dtype=bfloat16", "data.limit=16", f"train.output_dir={tmp_path}"))
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: model.dtype")]
-    assert warnings == ["warning: model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller "
-                        "than 1/256 of a weight are rounded away; for exact small-lr updates use model.dtype=float32 "
-                        "with train.precision=bf16"]
+    assert warnings == [
+        "warning: model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller "
+        "than 1/256 of a weight are rounded away; for exact small-lr updates use model.dtype=float32 "
+        "with train.precision=bf16"
+    ]
     assert recipe().model.dtype == "float32"  # the default keeps float32 weights: no warning
 
 

@@ -13,8 +13,14 @@ from safetensors.torch import load_file
 from finetune.recipe import load_config
 from finetune.training.recipe_trainer import RecipeTrainer, nonfinite_verdict
 
-COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=3", "train.save_steps=1",
-          "log.wandb_mode=disabled"]
+COMMON = [
+    "recipe=recipes/debug.yaml",
+    "data.limit=16",
+    "data.max_length=64",
+    "train.max_steps=3",
+    "train.save_steps=1",
+    "log.wandb_mode=disabled",
+]
 BAD_STEP = 2
 
 
@@ -61,8 +67,9 @@ def test_skip_makes_no_update_at_that_step_and_counts_it(kind, poison, tmp_path)
     # Step 2 changed nothing: weights and optimizer moments after it are those after step 1, bit for bit.
     after_1, after_2 = (load_file(tmp_path / f"checkpoint-{k}" / "model.safetensors") for k in (1, 2))
     assert all(torch.equal(after_1[n], after_2[n]) for n in after_1)
-    moments_1, moments_2 = (torch.load(tmp_path / f"checkpoint-{k}" / "optimizer.pt", weights_only=True)["state"]
-                            for k in (1, 2))
+    moments_1, moments_2 = (
+        torch.load(tmp_path / f"checkpoint-{k}" / "optimizer.pt", weights_only=True)["state"] for k in (1, 2)
+    )
     assert all(torch.equal(moments_1[i]["exp_avg"], moments_2[i]["exp_avg"]) for i in moments_1)
     final = load_file(tmp_path / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in final.values())

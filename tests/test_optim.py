@@ -82,8 +82,9 @@ def reference_run(name, model, steps, momentum=0.9):
 
 
 def our_optimizer(name, model, momentum=0.9):
-    cfg = OptimConfig(name=name, betas=list(BETAS), eps=EPS, weight_decay=DECAY, momentum=momentum,
-                      trust_coefficient=TRUST)
+    cfg = OptimConfig(
+        name=name, betas=list(BETAS), eps=EPS, weight_decay=DECAY, momentum=momentum, trust_coefficient=TRUST
+    )
     return build_optimizer(model, cfg, lr_at(0))
 
 
@@ -190,8 +191,13 @@ def test_fsdp2_sharded_parameters_get_full_tensor_trust_ratios(tmp_path):
 
     worker, result = Path(__file__).parent / "workers" / "fsdp2_optim_worker.py", tmp_path / "errors.json"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(result)],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(result)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     errors = json.loads(result.read_text())
     assert errors["lamb"] < 1e-6 and errors["lars"] < 1e-6, errors

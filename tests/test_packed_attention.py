@@ -18,8 +18,16 @@ from tests.toy import VOCAB, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 def tiny_mha(seed: int = 0) -> LlamaForCausalLM:
     """tests/toy.py's tiny Llama without grouped-query attention (as many kv heads as heads)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -126,8 +134,9 @@ def test_packed_training_is_exact(tmp_path):
     trained = with_attention(copy.deepcopy(initial), NAME)
     collator, snapshots = RecordingFlattening(), SnapshotCallback()
     rows = ragged_rows(10, seed=4) + [{"input_ids": [3], "labels": [3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
-    trainer = TokenNormTrainer(model=trained, args=sgd_args(tmp_path, 3, 2), train_dataset=rows,
-                               data_collator=collator, callbacks=[snapshots])
+    trainer = TokenNormTrainer(
+        model=trained, args=sgd_args(tmp_path, 3, 2), train_dataset=rows, data_collator=collator, callbacks=[snapshots]
+    )
     trainer.train()
     assert trained.config._attn_implementation == NAME
     windows = [collator.batches[0] + collator.batches[1], collator.batches[2] + collator.batches[3]]
@@ -153,8 +162,16 @@ def test_switched_on_only_for_sdpa_and_only_where_the_probe_agrees(monkeypatch):
 def test_sliding_window_models_keep_sdpa():
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        attn_implementation="sdpa",
+    )
     model = MistralForCausalLM(config)
     assert "sliding-window" in use_for_packed_rows(model) and model.config._attn_implementation == "sdpa"
 

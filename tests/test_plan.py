@@ -61,15 +61,19 @@ def test_the_choice_fits_and_keeps_the_global_batch(debug32):
 @pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
 def test_nothing_fits_says_what_it_measured(debug32):
     cfg, trials = debug32
-    with pytest.raises(RecipeError, match=r"nothing fits: train.micro_batch_size=1 \(128 tokens of the longest row\) "
-                                          r"measured \d+\.\d\d GiB, over the limit of 0\.09 GiB"):
+    with pytest.raises(
+        RecipeError,
+        match=r"nothing fits: train.micro_batch_size=1 \(128 tokens of the longest row\) "
+        r"measured \d+\.\d\d GiB, over the limit of 0\.09 GiB",
+    ):
         planner.plan(cfg, 1, memory_gib=0.1, trials=trials)
 
 
 @pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
 def test_token_budget_plans_the_budget():
-    cfg = load_config([DEBUG, "data.batching=token_budget", "data.max_tokens_per_micro_batch=128",
-                       "train.global_batch_tokens=512"])
+    cfg = load_config(
+        [DEBUG, "data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=512"]
+    )
     result = planner.plan(cfg, 1)
     assert result.key == "data.max_tokens_per_micro_batch" and result.unit == "tokens"
     assert (result.value, result.accumulation) == (512, 1)  # a tiny model: the whole budget fits anywhere
@@ -82,8 +86,9 @@ def test_candidates_and_search():
     assert planner.candidates(cfg, 2) == ("train.micro_batch_size", "sequences", 24, [1, 2, 3, 4, 6, 12])
     with pytest.raises(RecipeError, match="train.global_batch_size=24 is not divisible by 5 ranks"):
         planner.candidates(cfg, 5)
-    budget = load_config([DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=128",
-                          "train.global_batch_tokens=768"])
+    budget = load_config(
+        [DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=768"]
+    )
     assert planner.candidates(budget, 1)[3] == [128, 192, 256, 384, 768]  # ≥ data.max_length (128)
 
     tried = []
@@ -128,8 +133,17 @@ def test_gpu_search_treats_out_of_memory_as_not_fitting():
 @pytest.mark.subprocess
 def test_auto_micro_batch_in_training(tmp_path):
     out = tmp_path / "auto"
-    result = run([sys.executable, "finetune/train.py", DEBUG, "train.micro_batch_size=auto",
-                  "train.global_batch_size=16", "train.max_steps=1", f"train.output_dir={out}"])
+    result = run(
+        [
+            sys.executable,
+            "finetune/train.py",
+            DEBUG,
+            "train.micro_batch_size=auto",
+            "train.global_batch_size=16",
+            "train.max_steps=1",
+            f"train.output_dir={out}",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     chosen = int(re.search(r"train.micro_batch_size=auto → (\d+)", result.stdout).group(1))
     startup = r"effective batch 16 sequences = micro (\d+) × accumulation (\d+) × 1 rank"
@@ -150,7 +164,14 @@ def test_recipe_errors():
     with pytest.raises(RecipeError, match="must be a positive integer or auto"):
         load_config([DEBUG, "train.micro_batch_size=eight"])
     with pytest.raises(RecipeError, match="train.micro_batch_size=auto plans sequences per micro-batch"):
-        load_config([DEBUG, "train.micro_batch_size=auto", "data.batching=token_budget",
-                     "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=1024"])
+        load_config(
+            [
+                DEBUG,
+                "train.micro_batch_size=auto",
+                "data.batching=token_budget",
+                "data.max_tokens_per_micro_batch=128",
+                "train.global_batch_tokens=1024",
+            ]
+        )
     with pytest.raises(RecipeError, match="unknown key 'plan.headrom'"):
         planner.split_args([DEBUG, "plan.headrom=0.2"])

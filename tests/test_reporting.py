@@ -22,7 +22,11 @@ TIMING_KEYS = ["real_tokens_per_s", "computed_tokens_per_s", "samples_per_s", "p
 def run_debug(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", f"train.output_dir={out}", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result

@@ -24,13 +24,20 @@ from finetune.recipe import RecipeError, TrainConfig, load_config
 from finetune.training import checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_steps=4",
-          "log.wandb_mode=disabled"]
+COMMON = [
+    "recipe=recipes/debug.yaml",
+    "data.limit=16",
+    "data.max_length=64",
+    "train.max_steps=4",
+    "log.wandb_mode=disabled",
+]
 MODES = {
     "padded": [],
     "length_grouped": ["data.batching=length_grouped"],
     "token_budget": [
-        "data.batching=token_budget", "data.max_tokens_per_micro_batch=128", "train.global_batch_tokens=256"
+        "data.batching=token_budget",
+        "data.max_tokens_per_micro_batch=128",
+        "train.global_batch_tokens=256",
     ],
     "packed": ["data.batching=packed"],
     "padded+lora": ["model.lora.enabled=true", "optim.lr=1e-2"],  # adapter_model.safetensors, PEFT's own loading
@@ -91,13 +98,20 @@ def reference(tmp_path_factory):
 @pytest.mark.e2e
 def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(reference):
     out = reference("padded")
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [f"checkpoint-{k}" for k in
-                                                                                          (1, 2, 3, 4)]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        f"checkpoint-{k}" for k in (1, 2, 3, 4)
+    ]
     assert not (out / checkpoints.STAGING).exists()
     folder = out / "checkpoint-2"
     names = {p.name for p in folder.iterdir()}
-    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
-            checkpoints.STATE_FILE} <= names
+    assert {
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+        checkpoints.STATE_FILE,
+    } <= names
     assert not {"pytorch_model.bin", "model.bin"} & names  # weights only as safetensors
     for state_file in folder.glob("*.p*"):  # optimizer.pt, scheduler.pt, rng_state.pth: no pickled objects
         torch.load(state_file, weights_only=True)
@@ -111,8 +125,16 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
     np.random.set_state(before)
     state = json.loads((folder / checkpoints.STATE_FILE).read_text())
     assert re.fullmatch(r"[0-9a-f]{16}", state["data_position"].pop("data_fingerprint"))
-    assert state == {"nonfinite_skipped": 0, "data_position": {"dataset_items": 16, "seed": 0, "ranks": 1,
-                                                               "micro_batches_per_step": 2, "items_per_micro_batch": 4}}
+    assert state == {
+        "nonfinite_skipped": 0,
+        "data_position": {
+            "dataset_items": 16,
+            "seed": 0,
+            "ranks": 1,
+            "micro_batches_per_step": 2,
+            "items_per_micro_batch": 4,
+        },
+    }
 
 
 @pytest.mark.e2e
@@ -127,8 +149,14 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(ref / f"checkpoint-{start}", out / f"checkpoint-{start}")
-    argv = [*COMMON, *MODES[mode], "train.save_steps=1", "train.save_total_limit=2", f"train.output_dir={out}",
-            "train.resume_from=auto"]
+    argv = [
+        *COMMON,
+        *MODES[mode],
+        "train.save_steps=1",
+        "train.save_total_limit=2",
+        f"train.output_dir={out}",
+        "train.resume_from=auto",
+    ]
     assert train(load_config(argv)) == 0
     assert_same_run(out, ref)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
@@ -160,20 +188,32 @@ def test_resuming_with_other_data_or_ranks_is_an_error_unless_allowed_then_warns
     same.restore_checkpoint_state(state)
     assert warnings == []
     other = build(load_config([*COMMON, "data.limit=12", f"train.output_dir={tmp_path}"]))
-    with pytest.raises(RecipeError, match=r"resuming with dataset_items 16 → 12 would train on another data order .* "
-                                          r"set data\.source/data\.limit as that run had them, or set "
-                                          r"train\.resume_data_order_change=allow"):
+    with pytest.raises(
+        RecipeError,
+        match=r"resuming with dataset_items 16 → 12 would train on another data order .* "
+        r"set data\.source/data\.limit as that run had them, or set "
+        r"train\.resume_data_order_change=allow",
+    ):
         other.restore_checkpoint_state(state)
     assert warnings == []
-    allowed = build(load_config([*COMMON, "data.limit=12", "train.resume_data_order_change=allow",
-                                 f"train.output_dir={tmp_path}"]))
+    allowed = build(
+        load_config([*COMMON, "data.limit=12", "train.resume_data_order_change=allow", f"train.output_dir={tmp_path}"])
+    )
     allowed.restore_checkpoint_state(state)
     assert len(warnings) == 1 and warnings[0].startswith("resuming with dataset_items 16 → 12: the data order")
 
 
 def worker(kill_at: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "tests/workers/resume_worker.py", kill_at, *COMMON, "train.save_steps=1",
-           f"train.output_dir={out}", "train.resume_from=auto", *extra]
+    cmd = [
+        sys.executable,
+        "tests/workers/resume_worker.py",
+        kill_at,
+        *COMMON,
+        "train.save_steps=1",
+        f"train.output_dir={out}",
+        "train.resume_from=auto",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
@@ -232,8 +272,14 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
 
 @pytest.mark.subprocess
 def test_soak_quick_resumes_every_kill_identically():
-    result = subprocess.run([sys.executable, "scripts/soak_resume.py", "--quick", "--seed", "1"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "scripts/soak_resume.py", "--quick", "--seed", "1"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2/2 kills resumed identically" in result.stdout
 

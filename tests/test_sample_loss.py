@@ -96,8 +96,13 @@ PROBLEMS = ["single_label", "regression", "multi_label", "multiple_choice"]
 def test_applied_gradient_is_the_window_item_mean(problem, micro, accumulation, n, tmp_path):
     initial, data = model_for(problem), rows(n, problem, seed=5)
     collator, snapshots = ItemCollator(), SnapshotCallback()
-    trainer = TokenNormTrainer(model=copy.deepcopy(initial), args=sgd_args(tmp_path, micro, accumulation),
-                               train_dataset=data, data_collator=collator, callbacks=[snapshots])
+    trainer = TokenNormTrainer(
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path, micro, accumulation),
+        train_dataset=data,
+        data_collator=collator,
+        callbacks=[snapshots],
+    )
     assert trainer.loss_kind == "sample"
     trainer.train()
     snaps = snapshots.snapshots
@@ -127,8 +132,13 @@ def test_trainers_mean_of_micro_batch_means_is_not_the_window_mean(tmp_path):
     """The harness tells the difference: Trainer under uneven micro-batches averages means."""
     initial, data = model_for("single_label"), rows(10, "single_label", seed=5)
     collator, snapshots = ItemCollator(), SnapshotCallback()
-    Trainer(model=copy.deepcopy(initial), args=sgd_args(tmp_path, 4, 3), train_dataset=data, data_collator=collator,
-            callbacks=[snapshots]).train()
+    Trainer(
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path, 4, 3),
+        train_dataset=data,
+        data_collator=collator,
+        callbacks=[snapshots],
+    ).train()
     grads, _ = reference(model_at(initial, snapshots.snapshots[0]), sum(collator.batches[:3], []), "single_label")
     applied = {n: snapshots.snapshots[0][n] - snapshots.snapshots[1][n] for n in grads}
     assert relative_error(applied, grads) > 1e-2

@@ -44,8 +44,15 @@ def torch_onecycle_lrs(total, peak, cfg):
     """LR used by each step of torch's own OneCycleLR, stepped once per optimizer step."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=peak, total_steps=total, pct_start=cfg.pct_start, anneal_strategy=cfg.anneal,
-        div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
+        optimizer,
+        max_lr=peak,
+        total_steps=total,
+        pct_start=cfg.pct_start,
+        anneal_strategy=cfg.anneal,
+        div_factor=cfg.div_factor,
+        final_div_factor=cfg.final_div_factor,
+        cycle_momentum=False,
+    )
     lrs = []
     for _ in range(total):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -60,8 +67,11 @@ def assert_close_all(actual, expected):
         assert abs(a - e) <= 1e-12 * max(abs(e), 1e-300), (step, a, e)
 
 
-ONECYCLE = [dict(pct_start=0.1), dict(pct_start=0.3, anneal="linear"), dict(pct_start=0.25, div_factor=10.0,
-                                                                           final_div_factor=100.0)]
+ONECYCLE = [
+    dict(pct_start=0.1),
+    dict(pct_start=0.3, anneal="linear"),
+    dict(pct_start=0.25, div_factor=10.0, final_div_factor=100.0),
+]
 
 
 @pytest.mark.parametrize("kwargs", ONECYCLE)
@@ -121,25 +131,41 @@ def test_scaling_rules_arithmetic():
 
 def test_start_up_line():
     line = describe_batch_and_lr(8, 16, 8, 1e-4, scaled_lr(1e-4, 1024, "linear", 256), "linear", 256, 1024)
-    assert line == ("effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 "
-                    "(linear rule, base 256)")
-    line = describe_batch_and_lr("4096 tokens", 4, 2, 3e-4, scaled_lr(3e-4, 32768, "sqrt", 8192), "sqrt", 8192, 32768,
-                                 "tokens")
-    assert line == ("effective batch 32768 tokens = micro 4096 tokens × accumulation 4 × 2 ranks; lr 3e-4 → 6e-4 "
-                    "(sqrt rule, base 8192 tokens)")
+    assert line == (
+        "effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 (linear rule, base 256)"
+    )
+    line = describe_batch_and_lr(
+        "4096 tokens", 4, 2, 3e-4, scaled_lr(3e-4, 32768, "sqrt", 8192), "sqrt", 8192, 32768, "tokens"
+    )
+    assert line == (
+        "effective batch 32768 tokens = micro 4096 tokens × accumulation 4 × 2 ranks; lr 3e-4 → 6e-4 "
+        "(sqrt rule, base 8192 tokens)"
+    )
     assert describe_batch_and_lr(4, 2, 1, 0.05, 0.05, "none", None, 8) == (
-        "effective batch 8 sequences = micro 4 × accumulation 2 × 1 rank; lr 0.05")
+        "effective batch 8 sequences = micro 4 × accumulation 2 × 1 rank; lr 0.05"
+    )
 
 
 def test_start_up_line_of_a_token_budget_recipe_reads_the_base_in_tokens():
-    cfg = load_config([f"recipe={DEBUG}", "data.batching=token_budget", "data.max_tokens_per_micro_batch=512",
-                       "train.global_batch_tokens=4096", "optim.lr_scaling=linear", "optim.base_batch_size=2048"])
+    cfg = load_config(
+        [
+            f"recipe={DEBUG}",
+            "data.batching=token_budget",
+            "data.max_tokens_per_micro_batch=512",
+            "train.global_batch_tokens=4096",
+            "optim.lr_scaling=linear",
+            "optim.base_batch_size=2048",
+        ]
+    )
     assert peak_lr(cfg) == pytest.approx(2e-3, rel=1e-15)
-    assert startup_line(cfg, 1, 8, 10) == ("effective batch 4096 tokens = micro 512 tokens × accumulation 8 × 1 rank; "
-                                           "lr 1e-3 → 2e-3 (linear rule, base 2048 tokens); 10 optimizer steps")
+    assert startup_line(cfg, 1, 8, 10) == (
+        "effective batch 4096 tokens = micro 512 tokens × accumulation 8 × 1 rank; "
+        "lr 1e-3 → 2e-3 (linear rule, base 2048 tokens); 10 optimizer steps"
+    )
 
 
 # ---- through finetune/train.py, as users run it ----
+
 
 def run(cmd, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -160,15 +186,38 @@ def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_st
     """64 rows, global batch 16 = micro 4 × accumulation 2 × 2 ranks: 4 optimizer steps per epoch, 2 epochs → 8."""
     out = tmp_path / "two"
     result = run(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", "--main_process_port", "0", "finetune/train.py", f"recipe={DEBUG}",
-         "train.max_steps=-1", "train.epochs=2", "train.global_batch_size=16", "schedule.name=onecycle",
-         "schedule.pct_start=0.3", "optim.name=lamb", "optim.lr_scaling=linear", "optim.base_batch_size=8",
-         f"train.output_dir={out}"],
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            "finetune/train.py",
+            f"recipe={DEBUG}",
+            "train.max_steps=-1",
+            "train.epochs=2",
+            "train.global_batch_size=16",
+            "schedule.name=onecycle",
+            "schedule.pct_start=0.3",
+            "optim.name=lamb",
+            "optim.lr_scaling=linear",
+            "optim.base_batch_size=8",
+            f"train.output_dir={out}",
+        ],
         env={"ACCELERATE_USE_CPU": "true"},
     )
-    assert ("effective batch 16 sequences = micro 4 × accumulation 2 × 2 ranks; lr 1e-3 → 2e-3 (linear rule, base 8)"
-            "; 8 optimizer steps") in result.stdout
+    assert (
+        "effective batch 16 sequences = micro 4 × accumulation 2 × 2 ranks; lr 1e-3 → 2e-3 (linear rule, base 8)"
+        "; 8 optimizer steps"
+    ) in result.stdout
     state, lrs, steps = logged(out)
     assert state["global_step"] == 8 and steps == list(range(1, 9))
     assert_close_all(lrs, torch_onecycle_lrs(8, 2e-3, ScheduleConfig(name="onecycle", pct_start=0.3)))
@@ -179,10 +228,22 @@ def test_warmup_cosine_with_accumulation_through_the_script(tmp_path):
     out = tmp_path / "one"
     cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=2, warmup="quadratic", min_lr_ratio=0.1)
     result = run(
-        [sys.executable, "finetune/train.py", f"recipe={DEBUG}", "train.max_steps=6", "train.global_batch_size=16",
-         "schedule.name=warmup_cosine", "schedule.warmup_steps=2", "schedule.warmup=quadratic",
-         "schedule.min_lr_ratio=0.1", "optim.name=lars", "optim.lr=0.5", "optim.lr_scaling=sqrt",
-         "optim.base_batch_size=4", f"train.output_dir={out}"],
+        [
+            sys.executable,
+            "finetune/train.py",
+            f"recipe={DEBUG}",
+            "train.max_steps=6",
+            "train.global_batch_size=16",
+            "schedule.name=warmup_cosine",
+            "schedule.warmup_steps=2",
+            "schedule.warmup=quadratic",
+            "schedule.min_lr_ratio=0.1",
+            "optim.name=lars",
+            "optim.lr=0.5",
+            "optim.lr_scaling=sqrt",
+            "optim.base_batch_size=4",
+            f"train.output_dir={out}",
+        ],
     )
     assert "micro 4 × accumulation 4 × 1 rank; lr 0.5 → 1 (sqrt rule, base 4); 6 optimizer steps" in result.stdout
     state, lrs, steps = logged(out)
@@ -224,8 +285,10 @@ def test_warmup_not_below_the_run_length_is_refused():
 
 
 CLI_BAD = [
-    (["train.max_steps=4", "schedule.name=warmup_cosine", "schedule.warmup_steps=4"],
-     "schedule.warmup_steps=4 is not below the run's 4 optimizer steps"),
+    (
+        ["train.max_steps=4", "schedule.name=warmup_cosine", "schedule.warmup_steps=4"],
+        "schedule.warmup_steps=4 is not below the run's 4 optimizer steps",
+    ),
     (["schedule.name=onecycle", "schedule.pct_start=1.0"], "schedule.pct_start=1.0 must be in (0, 1)"),
     (["optim.name=lion"], "optim.name='lion' is not one of adamw, sgd, lamb, lars"),
     (["schedule.name=cosine_warmup"], "schedule.name='cosine_warmup' is not one of"),
@@ -237,8 +300,13 @@ CLI_BAD = [
 @pytest.mark.parametrize("argv,message", CLI_BAD, ids=[m[:32] for _, m in CLI_BAD])
 def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv, f"train.output_dir={out}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv, f"train.output_dir={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-3000:]
@@ -249,17 +317,33 @@ def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_pa
 def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
     """An epoch-based run: 64 rows / (micro 4 × 2 ranks × accumulation 2) = 4 steps per epoch, 3 epochs."""
     png = tmp_path / "lr.png"
-    result = run([sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "train.max_steps=-1", "train.epochs=3",
-                  "train.global_batch_size=16", "ranks=2", "schedule.name=warmup_cosine", "schedule.warmup_steps=2",
-                  f"out={png}"])
+    result = run(
+        [
+            sys.executable,
+            "scripts/plot_schedule.py",
+            f"recipe={DEBUG}",
+            "train.max_steps=-1",
+            "train.epochs=3",
+            "train.global_batch_size=16",
+            "ranks=2",
+            "schedule.name=warmup_cosine",
+            "schedule.warmup_steps=2",
+            f"out={png}",
+        ]
+    )
     assert "micro 4 × accumulation 2 × 2 ranks; lr 1e-3; 12 optimizer steps" in result.stdout
     assert "lr: first 3.333e-4, peak 1e-3, last 2.447e-5" in result.stdout  # 1e-3·(0+1)/(2+1); 1e-3·(1+cos 0.9π)/2
     from PIL import Image
 
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size[0] > 400
-    bad = subprocess.run([sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "schedule.pct_start=2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "schedule.pct_start=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "schedule.pct_start=2.0 must be in (0, 1)" in bad.stderr
 
 

@@ -23,10 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny_bart(seed: int = 0):
     torch.manual_seed(seed)
-    config = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
     return BartForConditionalGeneration(config)
 
 
@@ -35,9 +50,18 @@ MODELS = {"t5": tiny_t5, "bart": tiny_bart}
 
 def generating_args(output_dir, eval_batch: int, **extra):
     return Seq2SeqTrainingArguments(
-        output_dir=str(output_dir), per_device_eval_batch_size=eval_batch, predict_with_generate=True,
-        generation_max_length=8, generation_num_beams=1, report_to=[], use_cpu=True, seed=0,
-        remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, **extra,
+        output_dir=str(output_dir),
+        per_device_eval_batch_size=eval_batch,
+        predict_with_generate=True,
+        generation_max_length=8,
+        generation_num_beams=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,
     )
 
 
@@ -59,10 +83,20 @@ def test_generations_equal_seq2seq_trainers_and_eval_loss_is_the_token_mean(name
     tokens = sum(len(r["labels"]) for r in rows)
     for batch in (1, 3, 7):
         theirs, ours = MetricInputs(), MetricInputs()
-        stock = Seq2SeqTrainer(model=model, args=generating_args(tmp_path, batch), eval_dataset=rows,
-                               data_collator=PadEachCollator(), compute_metrics=theirs)
-        exact = TokenNormSeq2SeqTrainer(model=model, args=generating_args(tmp_path, batch), eval_dataset=rows,
-                                        data_collator=PadEachCollator(), compute_metrics=ours)
+        stock = Seq2SeqTrainer(
+            model=model,
+            args=generating_args(tmp_path, batch),
+            eval_dataset=rows,
+            data_collator=PadEachCollator(),
+            compute_metrics=theirs,
+        )
+        exact = TokenNormSeq2SeqTrainer(
+            model=model,
+            args=generating_args(tmp_path, batch),
+            eval_dataset=rows,
+            data_collator=PadEachCollator(),
+            compute_metrics=ours,
+        )
         stock_metrics, metrics = stock.evaluate(), exact.evaluate()
         np.testing.assert_array_equal(ours.seen[0][0], theirs.seen[0][0])  # the generated ids
         np.testing.assert_array_equal(ours.seen[0][1], theirs.seen[0][1])  # the labels, padded alike
@@ -80,15 +114,25 @@ def test_one_generate_and_one_forward_per_eval_batch(tmp_path):
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     original = model.generate
     model.generate = lambda *a, **k: generates.append(1) or original(*a, **k)
-    trainer = TokenNormSeq2SeqTrainer(model=model, args=generating_args(tmp_path, 3), eval_dataset=rows,
-                                      data_collator=PadEachCollator(), compute_metrics=MetricInputs())
+    trainer = TokenNormSeq2SeqTrainer(
+        model=model,
+        args=generating_args(tmp_path, 3),
+        eval_dataset=rows,
+        data_collator=PadEachCollator(),
+        compute_metrics=MetricInputs(),
+    )
     trainer.evaluate()
     decoding_steps = len(forwards) - len(generates)  # generate's own forwards, then one loss forward per batch
     assert len(generates) == 3
     baseline = []
     model.generate = original
-    stock = Seq2SeqTrainer(model=model, args=generating_args(tmp_path, 3), eval_dataset=rows,
-                           data_collator=PadEachCollator(), compute_metrics=MetricInputs())
+    stock = Seq2SeqTrainer(
+        model=model,
+        args=generating_args(tmp_path, 3),
+        eval_dataset=rows,
+        data_collator=PadEachCollator(),
+        compute_metrics=MetricInputs(),
+    )
     forwards.clear()
     stock.evaluate()
     baseline = len(forwards)
@@ -100,8 +144,13 @@ def test_a_composed_seq2seq_trainer_says_its_eval_loss_is_not_exact(tmp_path, ca
         pass
 
     model, rows = tiny_t5(), seq2seq_rows(23, seed=9)
-    trainer = Composed(model=model, args=generating_args(tmp_path, 3), eval_dataset=rows,
-                       data_collator=PadEachCollator(), compute_metrics=MetricInputs())
+    trainer = Composed(
+        model=model,
+        args=generating_args(tmp_path, 3),
+        eval_dataset=rows,
+        data_collator=PadEachCollator(),
+        compute_metrics=MetricInputs(),
+    )
     with caplog.at_level(logging.WARNING):
         metrics = trainer.evaluate()
     assert "not the exact token mean" in caplog.text and "TokenNormSeq2SeqTrainer" in caplog.text
@@ -113,8 +162,16 @@ def test_a_composed_seq2seq_trainer_says_its_eval_loss_is_not_exact(tmp_path, ca
 def test_generating_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/workers/seq2seq_worker.py", str(out), str(tmp_path / "trainer")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "tests/workers/seq2seq_worker.py",
+        str(out),
+        str(tmp_path / "trainer"),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     metrics = json.loads(out.read_text())

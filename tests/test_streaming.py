@@ -85,9 +85,18 @@ def test_streaming_needs_max_steps_and_a_length_free_batching():
 def test_streaming_recipe_trains_end_to_end(tmp_path):
     out = tmp_path / "s"
     result = subprocess.run(
-        [sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", "data.streaming=true", "train.max_steps=2",
-         f"train.output_dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "finetune/train.py",
+            "recipe=recipes/debug.yaml",
+            "data.streaming=true",
+            "train.max_steps=2",
+            f"train.output_dir={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "streamed" in result.stdout

@@ -15,15 +15,30 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks unde
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 STEPS, ACCUMULATION = 2, 3
 # debug recipe, micro-batch 4 on 2 ranks: global 24 → 3 micro-batches per rank per optimizer step
-RECIPE = ["recipe=recipes/debug.yaml", f"train.max_steps={STEPS}", "train.global_batch_size=24", "optim.name=sgd",
-          "optim.lr=0.5"]
+RECIPE = [
+    "recipe=recipes/debug.yaml",
+    f"train.max_steps={STEPS}",
+    "train.global_batch_size=24",
+    "optim.name=sgd",
+    "optim.lr=0.5",
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "counts.pt"
-    cmd = [ACCELERATE, "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
-           "tests/workers/sync_count_worker.py", str(out), *RECIPE, f"train.output_dir={out.parent / 'run'}"]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        "accelerate_configs/ddp.yaml",
+        "--num_processes",
+        "2",
+        "tests/workers/sync_count_worker.py",
+        str(out),
+        *RECIPE,
+        f"train.output_dir={out.parent / 'run'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

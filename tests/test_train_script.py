@@ -52,8 +52,24 @@ def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
     run(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", "--main_process_port", "0", "finetune/train.py", *common, f"train.output_dir={two}"],
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            "finetune/train.py",
+            *common,
+            f"train.output_dir={two}",
+        ],
         env={"ACCELERATE_USE_CPU": "true"},
     )
     one_logs, two_logs = step_logs(one), step_logs(two)
@@ -71,9 +87,18 @@ def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(t
     """SmolLM2-135M-Instruct from the GGUF, two short steps, W&B offline; then reload and chat."""
     out = tmp_path / "quick"
     result = run(
-        [sys.executable, "finetune/train.py", "recipe=recipes/quickstart.yaml", f"train.output_dir={out}",
-         "train.max_steps=2", "schedule.warmup_steps=1", "train.global_batch_size=2", "train.micro_batch_size=1",
-         "data.max_length=64", "data.limit=32"],
+        [
+            sys.executable,
+            "finetune/train.py",
+            "recipe=recipes/quickstart.yaml",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "schedule.warmup_steps=1",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=1",
+            "data.max_length=64",
+            "data.limit=32",
+        ],
         env={"WANDB_MODE": "offline"},
     )
     assert len(step_logs(out)) == 2
@@ -90,7 +115,9 @@ def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(t
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What does `json.dumps` do?"}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": "What does `json.dumps` do?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
     )
     generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)

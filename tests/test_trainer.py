@@ -19,8 +19,11 @@ from tests.toy import MeanLossLM, RecordingCollator, SnapshotCallback, ragged_ro
 def train_recording(trainer_cls, model, rows, tmp_path, micro, accumulation, **args):
     collator, snapshots = RecordingCollator(), SnapshotCallback()
     trainer = trainer_cls(
-        model=model, args=sgd_args(tmp_path, micro, accumulation, **args), train_dataset=rows,
-        data_collator=collator, callbacks=[snapshots],
+        model=model,
+        args=sgd_args(tmp_path, micro, accumulation, **args),
+        train_dataset=rows,
+        data_collator=collator,
+        callbacks=[snapshots],
     )
     trainer.train()
     windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
@@ -177,8 +180,11 @@ def test_fp16_unscales_before_clipping_and_skips_a_step_with_inf(tmp_path):
 
     collator, record = RecordingCollator(), PoisonFirstStep()
     trainer = TokenNormTrainer(
-        model=copy.deepcopy(initial), args=sgd_args(tmp_path, 3, 2, max_grad_norm=0.5 * norm, fp16=True),
-        train_dataset=data, data_collator=collator, callbacks=[record],
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path, 3, 2, max_grad_norm=0.5 * norm, fp16=True),
+        train_dataset=data,
+        data_collator=collator,
+        callbacks=[record],
     )
     # Accelerate sets up fp16 (autocast + GradScaler) only on accelerators; give it its CUDA set-up on the CPU so
     # the real path runs: scaled backward, unscale inside clip_grad_norm_, GradScaler.step skipping an inf step.

@@ -30,10 +30,34 @@ class ReferenceVarlen:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                 window_size=(-1, -1), enable_gqa=False):
-        self.calls.append({"cu_q": cu_seq_q, "cu_k": cu_seq_k, "max_q": max_q, "max_k": max_k, "q": query.shape,
-                           "k": key.shape, "dtype": query.dtype, "gqa": enable_gqa, "window": window_size})
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+    ):
+        self.calls.append(
+            {
+                "cu_q": cu_seq_q,
+                "cu_k": cu_seq_k,
+                "max_q": max_q,
+                "max_k": max_k,
+                "q": query.shape,
+                "k": key.shape,
+                "dtype": query.dtype,
+                "gqa": enable_gqa,
+                "window": window_size,
+            }
+        )
         assert window_size == (-1, 0), "not called causally"
         return per_sequence(query, key, value, cu_seq_q.tolist(), scale)
 
@@ -134,13 +158,17 @@ def test_a_scale_and_grouped_heads_reach_either_kernel_signature(kernel):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
-    out, _ = attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7,
-                       max_length_k=7)
+    out, _ = attention(
+        module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7
+    )
     assert len(kernel.calls) == 1 and out.shape == (1, sum(lengths), 4, 8)
-    want = torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=0.3, enable_gqa=True)
-        for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
-    ], dim=2).transpose(1, 2)
+    want = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=0.3, enable_gqa=True)
+            for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+        ],
+        dim=2,
+    ).transpose(1, 2)
     assert (out - want).abs().max() <= 1e-12
     weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v))
@@ -196,8 +224,9 @@ def test_packed_training_through_the_varlen_path_is_exact(tmp_path):
 
     snapshots = SnapshotCallback()
     rows = ragged_rows(10, seed=4) + [{"input_ids": [3], "labels": [3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
-    trainer = TokenNormTrainer(model=trained, args=sgd_args(tmp_path, 3, 2), train_dataset=rows,
-                               data_collator=recording, callbacks=[snapshots])
+    trainer = TokenNormTrainer(
+        model=trained, args=sgd_args(tmp_path, 3, 2), train_dataset=rows, data_collator=recording, callbacks=[snapshots]
+    )
     trainer.train()
     assert len(kernel.calls) == 4 * trained.config.num_hidden_layers  # every micro-batch's every layer
     for k, window in enumerate([seen[0] + seen[1], seen[2] + seen[3]]):

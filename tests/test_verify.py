@@ -60,8 +60,16 @@ def test_bf16_passes_within_its_documented_tolerance(capsys):
 @pytest.mark.e2e
 def test_passes_on_packed_budgeted_rows_with_lora(capsys):
     """Packed rows are split back into their sequences; only the LoRA parameters are compared."""
-    code = verify.main([DEBUG, "data.batching=packed", "data.max_tokens_per_micro_batch=256",
-                        "train.global_batch_tokens=512", "model.lora.enabled=true", "train.max_grad_norm=0"])
+    code = verify.main(
+        [
+            DEBUG,
+            "data.batching=packed",
+            "data.max_tokens_per_micro_batch=256",
+            "train.global_batch_tokens=512",
+            "model.lora.enabled=true",
+            "train.max_grad_norm=0",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert max(errors_in(out)) <= 1e-5
@@ -120,8 +128,24 @@ def test_verify_arguments_and_tolerances():
 @pytest.mark.distributed
 def test_two_ranks_through_accelerate_launch():
     result = run(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", "--main_process_port", "0", "-m", "finetune.verify", DEBUG],
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            "-m",
+            "finetune.verify",
+            DEBUG,
+        ],
         env={"ACCELERATE_USE_CPU": "true"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

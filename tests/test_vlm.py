@@ -46,15 +46,33 @@ def tiny_llava(processor, seed: int = 0, patch_size: int = 16) -> LlavaForCondit
     torch.manual_seed(seed)
     tokenizer = processor.tokenizer
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
-    vision = SiglipVisionConfig(image_size=32, patch_size=patch_size, hidden_size=16, intermediate_size=32,
-                                num_hidden_layers=2, num_attention_heads=2, vision_use_head=False)
+    vision = SiglipVisionConfig(
+        image_size=32,
+        patch_size=patch_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vision_use_head=False,
+    )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_seq_length=(32 // patch_size) ** 2,
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        image_seq_length=(32 // patch_size) ** 2,
     )
     config._attn_implementation = "sdpa"
     return LlavaForConditionalGeneration(config)
@@ -75,14 +93,27 @@ def image_rows(folder: Path, extra=()) -> Path:
     for k in range(3):
         shapes_captions.render(shapes_captions.scene(100 + k)).save(folder / "img" / f"{k}.png")
     rows = [
-        {"images": ["img/0.png", "img/1.png"], "messages": [
-            user(None, None, "Which image has more shapes?"),
-            {"role": "assistant", "content": "The second one, with more shapes in more colours."}]},
-        {"messages": [{"role": "user", "content": "What is a circle?"},
-                      {"role": "assistant", "content": "A round shape."}]},
+        {
+            "images": ["img/0.png", "img/1.png"],
+            "messages": [
+                user(None, None, "Which image has more shapes?"),
+                {"role": "assistant", "content": "The second one, with more shapes in more colours."},
+            ],
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "What is a circle?"},
+                {"role": "assistant", "content": "A round shape."},
+            ]
+        },
         {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]},
-        {"image": "img/2.png", "messages": [{"role": "user", "content": "<image>\nWhat is the background?"},
-                                            {"role": "assistant", "content": "It is plain."}]},
+        {
+            "image": "img/2.png",
+            "messages": [
+                {"role": "user", "content": "<image>\nWhat is the background?"},
+                {"role": "assistant", "content": "It is plain."},
+            ],
+        },
         *extra,
     ]
     return write_jsonl(folder / "rows.jsonl", rows)
@@ -140,8 +171,10 @@ def test_jsonl_rows_relative_images_placeholders_and_image_less_rows(processor, 
 def test_missing_or_corrupt_image_names_the_row_or_is_skipped_and_counted(processor, tmp_path):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    bad = [{"image": "img/missing.png", "messages": [user(None, "Describe."), {"role": "assistant", "content": "X."}]},
-           {"image": "img/bad.png", "messages": [user(None, "Describe."), {"role": "assistant", "content": "Y."}]}]
+    bad = [
+        {"image": "img/missing.png", "messages": [user(None, "Describe."), {"role": "assistant", "content": "X."}]},
+        {"image": "img/bad.png", "messages": [user(None, "Describe."), {"role": "assistant", "content": "Y."}]},
+    ]
     source = image_rows(tmp_path, extra=bad)
     with pytest.raises(RecipeError, match=r"rows\.jsonl line 5: image 1 of 1: image .*missing\.png not found"):
         load_vision_dataset(DataConfig(source=str(source)), processor)
@@ -152,8 +185,12 @@ def test_missing_or_corrupt_image_names_the_row_or_is_skipped_and_counted(proces
 
 
 def test_placeholders_that_do_not_match_the_images_name_the_row(processor, tmp_path):
-    rows = [{"image": "img/0.png", "messages": [{"role": "user", "content": "<image> and <image>?"},
-                                                {"role": "assistant", "content": "Two."}]}]
+    rows = [
+        {
+            "image": "img/0.png",
+            "messages": [{"role": "user", "content": "<image> and <image>?"}, {"role": "assistant", "content": "Two."}],
+        }
+    ]
     image_rows(tmp_path)
     with pytest.raises(RecipeError, match=r"m\.jsonl line 1: messages hold 2 image placeholder\(s\).* has 1 image"):
         load_vision_dataset(DataConfig(source=str(write_jsonl(tmp_path / "m.jsonl", rows))), processor)
@@ -164,10 +201,16 @@ def test_hf_image_dataset_from_parquet(processor, tmp_path):
 
     image = shapes_captions.render(shapes_captions.scene(7))
     table = datasets.Dataset.from_dict(
-        {"images": [[image]], "messages": [[{"role": "user", "content": "Describe."},
-                                             {"role": "assistant", "content": "Shapes."}]]},
-        features=datasets.Features({"images": [datasets.Image()], "messages": [
-            {"role": datasets.Value("string"), "content": datasets.Value("string")}]}),
+        {
+            "images": [[image]],
+            "messages": [[{"role": "user", "content": "Describe."}, {"role": "assistant", "content": "Shapes."}]],
+        },
+        features=datasets.Features(
+            {
+                "images": [datasets.Image()],
+                "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+            }
+        ),
     )
     table.to_parquet(str(tmp_path / "train.parquet"))
     ds, _ = load_vision_dataset(DataConfig(source=str(tmp_path / "train.parquet")), processor)
@@ -223,10 +266,13 @@ def test_llava_gradient_with_images_is_the_window_token_mean(processor, tmp_path
     jsonl, _ = load_vision_dataset(DataConfig(source=str(image_rows(tmp_path))), processor)
     rows = datasets.concatenate_datasets([shapes.select(short[:2]), jsonl.select([1, 2, 0]), shapes.select(short[2:])])
     initial = prepared(processor)
-    collator = Recording(VisionCollator(DataCollatorForSeq2Seq(processor.tokenizer, label_pad_token_id=-100),
-                                        processor))
+    collator = Recording(
+        VisionCollator(DataCollatorForSeq2Seq(processor.tokenizer, label_pad_token_id=-100), processor)
+    )
     trainer = TokenNormTrainer(
-        model=copy.deepcopy(initial), train_dataset=rows, data_collator=collator,
+        model=copy.deepcopy(initial),
+        train_dataset=rows,
+        data_collator=collator,
         args=sgd_args(tmp_path / "out", 2, 2, train_sampling_strategy="sequential"),
     )
 
@@ -241,8 +287,9 @@ def test_llava_gradient_with_images_is_the_window_token_mean(processor, tmp_path
     assert max(errors) <= 1e-5
     assert [sum(len(r["images"]) for r in b) for b in batches] == [2, 0, 3, 1]
     tower = [n for n, p in trainer.model.named_parameters() if "vision_tower" in n and p.requires_grad]
-    assert tower and all(not torch.equal(p, initial.get_parameter(n)) for n, p in trainer.model.named_parameters()
-                         if n in tower)
+    assert tower and all(
+        not torch.equal(p, initial.get_parameter(n)) for n, p in trainer.model.named_parameters() if n in tower
+    )
 
 
 def qwen_rows(n: int, seed: int) -> list[dict]:
@@ -255,19 +302,25 @@ def qwen_rows(n: int, seed: int) -> list[dict]:
         prompt = [rng.randrange(3, VOCAB - 4) for _ in range(rng.randint(1, 4))]
         prompt += [VOCAB - 3, *[VOCAB - 1] * 4] * images
         answer = [rng.randrange(3, VOCAB - 4) for _ in range(rng.randint(2, 20))]
-        rows.append({
-            "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer,
-            "pixel_values": torch.randn(16 * images, 1176, generator=gen), "image_grid_thw": [[1, 4, 4]] * images,
-        })
+        rows.append(
+            {
+                "input_ids": prompt + answer,
+                "labels": [-100] * len(prompt) + answer,
+                "pixel_values": torch.randn(16 * images, 1176, generator=gen),
+                "image_grid_thw": [[1, 4, 4]] * images,
+            }
+        )
     return rows
 
 
 def qwen_collate(rows):
     width = max(len(r["input_ids"]) for r in rows)
     pad = lambda seq, value: list(seq) + [value] * (width - len(seq))  # noqa: E731
-    batch = {"input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
-             "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
-             "labels": torch.tensor([pad(r["labels"], -100) for r in rows])}
+    batch = {
+        "input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
+        "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+        "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
+    }
     if any(r["image_grid_thw"] for r in rows):
         batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows])
         batch["image_grid_thw"] = torch.tensor([g for r in rows for g in r["image_grid_thw"]])
@@ -279,14 +332,20 @@ def test_qwen2_5_vl_without_loss_kwargs_is_exact_with_pixels(trainer_cls, tmp_pa
     initial = tiny_qwen_vl()
     assert initial.accepts_loss_kwargs is False
     collator = Recording(qwen_collate)
-    trainer = trainer_cls(model=copy.deepcopy(initial), train_dataset=qwen_rows(10, seed=1),
-                          data_collator=collator, args=sgd_args(tmp_path, 3, 2))
+    trainer = trainer_cls(
+        model=copy.deepcopy(initial),
+        train_dataset=qwen_rows(10, seed=1),
+        data_collator=collator,
+        args=sgd_args(tmp_path, 3, 2),
+    )
 
     def forward(model, seq):
         pixels = {}
         if seq["image_grid_thw"]:
-            pixels = {"pixel_values": seq["pixel_values"].double(),
-                      "image_grid_thw": torch.tensor(seq["image_grid_thw"])}
+            pixels = {
+                "pixel_values": seq["pixel_values"].double(),
+                "image_grid_thw": torch.tensor(seq["image_grid_thw"]),
+            }
         return model(input_ids=torch.tensor([seq["input_ids"]]), **pixels).logits
 
     errors, batches = check_every_step(initial, trainer, collator, 2, forward)
@@ -306,8 +365,12 @@ def test_frozen_tower_is_bit_identical_after_training_and_stores_no_activations(
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = sgd_args(tmp_path, 2, 1, max_steps=2)
     args.optim, args.learning_rate, args.weight_decay = "adamw_torch", 1e-2, 0.1
-    TokenNormTrainer(model=model, args=args, train_dataset=rows,
-                     data_collator=VisionCollator(DataCollatorForSeq2Seq(processor.tokenizer), processor)).train()
+    TokenNormTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        data_collator=VisionCollator(DataCollatorForSeq2Seq(processor.tokenizer), processor),
+    ).train()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) == ("vision_tower" in name), name
 
@@ -331,8 +394,10 @@ def saved_in_tower(model, batch) -> int:
         return t
 
     tower = model.model.vision_tower
-    hooks = [tower.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
-             tower.register_forward_hook(lambda *a: inside.__setitem__(0, False))]
+    hooks = [
+        tower.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
+        tower.register_forward_hook(lambda *a: inside.__setitem__(0, False)),
+    ]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**{k: v for k, v in batch.items() if k != "labels"})
     for h in hooks:
@@ -347,8 +412,9 @@ def test_unused_vision_parameters_are_frozen_and_image_less_batches_still_reach_
     ids = processor.tokenizer("Hello there", return_tensors="pt")["input_ids"]
     model.train()
     model(input_ids=ids).logits.sum().backward()
-    vision = [p for n, p in model.named_parameters() if p.requires_grad and "language_model" not in n
-              and "lm_head" not in n]
+    vision = [
+        p for n, p in model.named_parameters() if p.requires_grad and "language_model" not in n and "lm_head" not in n
+    ]
     assert vision and all(p.grad is not None and not p.grad.any() for p in vision)  # present, and exactly zero
 
 
@@ -366,7 +432,8 @@ def test_lora_targets_only_the_language_model_and_the_projector_still_trains(pro
     assert lora and all(".language_model." in n for n in lora)
     assert not any("vision_tower" in n for n in trainable)
     assert sorted(n for n in trainable if "lora_" not in n) == sorted(
-        n for n in trainable if "multi_modal_projector.modules_to_save" in n)
+        n for n in trainable if "multi_modal_projector.modules_to_save" in n
+    )
     assert any("multi_modal_projector" in n for n in trainable)
 
 
@@ -376,14 +443,18 @@ def test_lr_multiplier_reaches_the_projector_by_its_module_name(processor):
     groups = param_groups(prepared(processor), OptimConfig(lr_multipliers={"model.multi_modal_projector": 10}), 1e-3)
     fast = [g for g in groups if g["lr"] == pytest.approx(1e-2)]
     assert fast and all(n.startswith("model.multi_modal_projector.") for g in fast for n in g["names"])
-    assert {n for g in fast for n in g["names"]} == {n for n, _ in prepared(processor).named_parameters()
-                                                     if n.startswith("model.multi_modal_projector.")}
+    assert {n for g in fast for n in g["names"]} == {
+        n for n, _ in prepared(processor).named_parameters() if n.startswith("model.multi_modal_projector.")
+    }
     # the short name matches as model.freeze's prefixes do, also under LoRA (peft's modules_to_save copy)
     short = param_groups(prepared(processor), OptimConfig(lr_multipliers={"multi_modal_projector": 10}), 1e-3)
     assert [sorted(g["names"]) for g in short] == [sorted(g["names"]) for g in groups]
     lora = prepared(processor, freeze=("vision_tower",), lora=True)
-    fast = [g for g in param_groups(lora, OptimConfig(lr_multipliers={"multi_modal_projector": 10}), 1e-3)
-            if g["lr"] == pytest.approx(1e-2)]
+    fast = [
+        g
+        for g in param_groups(lora, OptimConfig(lr_multipliers={"multi_modal_projector": 10}), 1e-3)
+        if g["lr"] == pytest.approx(1e-2)
+    ]
     assert fast and all("multi_modal_projector.modules_to_save" in n for g in fast for n in g["names"])
 
 
@@ -408,8 +479,11 @@ def ask_about_an_image(folder: Path, image, new_tokens: int):
     inputs = proc(text=[text], images=[image], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return model, proc.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True), out.shape[1] - inputs[
-        "input_ids"].shape[1]
+    return (
+        model,
+        proc.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True),
+        out.shape[1] - inputs["input_ids"].shape[1],
+    )
 
 
 @pytest.mark.e2e
@@ -417,10 +491,20 @@ def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_fol
     from finetune.assemble import build
 
     out = tmp_path / "out"
-    cfg = load_config([f"model.name_or_path={tiny_vlm_folder}", "data.source=shapes_captions", "data.limit=8",
-                       "train.micro_batch_size=2", "train.global_batch_size=4", "train.max_steps=2",
-                       f"train.output_dir={out}", "log.wandb_mode=disabled", "model.freeze=[vision_tower]",
-                       "optim.lr_multipliers={model.multi_modal_projector: 10}"])
+    cfg = load_config(
+        [
+            f"model.name_or_path={tiny_vlm_folder}",
+            "data.source=shapes_captions",
+            "data.limit=8",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.max_steps=2",
+            f"train.output_dir={out}",
+            "log.wandb_mode=disabled",
+            "model.freeze=[vision_tower]",
+            "optim.lr_multipliers={model.multi_modal_projector: 10}",
+        ]
+    )
     trainer = build(cfg)
     trainer.train()
     trainer.save_model(str(out))
@@ -429,23 +513,42 @@ def test_a_vlm_folder_trains_through_build_then_reloads_and_answers(tiny_vlm_fol
     model, answer, generated = ask_about_an_image(out, shapes_captions.render(shapes_captions.scene(0)), 5)
     assert generated == 5 and isinstance(answer, str)
     base = LlavaForConditionalGeneration.from_pretrained(tiny_vlm_folder)
-    assert torch.equal(model.model.vision_tower.encoder.layers[0].mlp.fc1.weight,
-                       base.model.vision_tower.encoder.layers[0].mlp.fc1.weight)
-    assert not torch.equal(model.model.multi_modal_projector.linear_1.weight,
-                           base.model.multi_modal_projector.linear_1.weight)
+    assert torch.equal(
+        model.model.vision_tower.encoder.layers[0].mlp.fc1.weight,
+        base.model.vision_tower.encoder.layers[0].mlp.fc1.weight,
+    )
+    assert not torch.equal(
+        model.model.multi_modal_projector.linear_1.weight, base.model.multi_modal_projector.linear_1.weight
+    )
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("batching", [
-    ["data.batching=packed"], ["data.batching=length_grouped"],
-    ["data.batching=token_budget", "data.max_tokens_per_micro_batch=300", "train.global_batch_tokens=600"],
-], ids=lambda b: b[0].split("=")[1])
+@pytest.mark.parametrize(
+    "batching",
+    [
+        ["data.batching=packed"],
+        ["data.batching=length_grouped"],
+        ["data.batching=token_budget", "data.max_tokens_per_micro_batch=300", "train.global_batch_tokens=600"],
+    ],
+    ids=lambda b: b[0].split("=")[1],
+)
 def test_every_batching_mode_carries_each_rows_images(tiny_vlm_folder, batching, tmp_path):
     from finetune.assemble import build
 
-    cfg = load_config([f"model.name_or_path={tiny_vlm_folder}", "data.source=shapes_captions", "data.limit=12",
-                       "data.max_length=150", "train.micro_batch_size=2", "train.global_batch_size=4",
-                       "train.max_steps=1", f"train.output_dir={tmp_path}", "log.wandb_mode=disabled", *batching])
+    cfg = load_config(
+        [
+            f"model.name_or_path={tiny_vlm_folder}",
+            "data.source=shapes_captions",
+            "data.limit=12",
+            "data.max_length=150",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path}",
+            "log.wandb_mode=disabled",
+            *batching,
+        ]
+    )
     trainer = build(cfg)
     image_id = trainer.processing_class.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     for batch in trainer.get_train_dataloader():
@@ -475,23 +578,50 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     shape = {"messages": [{"role": "user", "content": "Name a shape."}, {"role": "assistant", "content": "A square."}]}
     write_jsonl(data, [rows[3], rows[1], rows[2], shape])
-    common = [f"model.name_or_path={tiny_vlm_folder}", f"data.source={data}", "train.micro_batch_size=1",
-              "train.global_batch_size=2", "train.max_steps=2", "optim.name=sgd", "optim.lr=0.5",
-              "log.wandb_mode=disabled"]
+    common = [
+        f"model.name_or_path={tiny_vlm_folder}",
+        f"data.source={data}",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "train.max_steps=2",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+        "log.wandb_mode=disabled",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     run_script([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
-    run_script([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", "finetune/train.py",
-                *common, f"train.output_dir={two}"], env={"ACCELERATE_USE_CPU": "true"}, timeout=300)
+    run_script(
+        [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+            "finetune/train.py",
+            *common,
+            f"train.output_dir={two}",
+        ],
+        env={"ACCELERATE_USE_CPU": "true"},
+        timeout=300,
+    )
     for a, b in zip(step_logs(one), step_logs(two), strict=True):
         assert b["window_label_tokens"] == a["window_label_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     from safetensors.torch import load_file
 
     w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
-    assert any("vision_tower" in n and not torch.equal(w1[n], load_file(tiny_vlm_folder / "model.safetensors")[n])
-               for n in w1)  # the tower trained
+    assert any(
+        "vision_tower" in n and not torch.equal(w1[n], load_file(tiny_vlm_folder / "model.safetensors")[n]) for n in w1
+    )  # the tower trained
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
@@ -502,10 +632,25 @@ def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_pat
     out = tmp_path / "vlm"
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     result = run_script(
-        [accelerate, "launch", "--num_processes", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "finetune/train.py", "recipe=recipes/vlm.yaml", f"train.output_dir={out}", "train.max_steps=2",
-         "train.micro_batch_size=2", "train.global_batch_size=2", "data.limit=16", "schedule.warmup_steps=1",
-         "log.wandb_mode=disabled"],
+        [
+            accelerate,
+            "launch",
+            "--num_processes",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "finetune/train.py",
+            "recipe=recipes/vlm.yaml",
+            f"train.output_dir={out}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "data.limit=16",
+            "schedule.warmup_steps=1",
+            "log.wandb_mode=disabled",
+        ],
         env={"ACCELERATE_USE_CPU": "true"},
     )
     assert "shapes_captions (messages+images): 14 of 14 rows kept" in result.stdout  # 2 held out (eval.fraction)

@@ -14,8 +14,15 @@ VOCAB = 61
 def tiny_llama(seed: int = 0, vocab: int = VOCAB, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",
         pad_token_id=0,
     )
     return LlamaForCausalLM(config)
@@ -28,14 +35,24 @@ def tiny_qwen_vl(seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
             rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
         ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           fullatt_block_indexes=[0]),
-        image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0]
+        ),
+        image_token_id=VOCAB - 1,
+        video_token_id=VOCAB - 2,
+        vision_start_token_id=VOCAB - 3,
         attn_implementation="sdpa",
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
@@ -121,8 +138,23 @@ class SnapshotCallback(TrainerCallback):
 def sgd_args(output_dir, micro: int, accumulation: int, max_steps: int = -1, max_grad_norm: float = 0.0, **extra):
     """SGD with lr 1 and no momentum or decay: the parameter change equals minus the applied gradient."""
     return TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-        max_steps=max_steps, num_train_epochs=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=max_grad_norm, report_to=[], logging_steps=1, save_strategy="no",
-        use_cpu=True, seed=0, remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, **extra,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        max_steps=max_steps,
+        num_train_epochs=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=max_grad_norm,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,
     )

@@ -46,8 +46,9 @@ def row_collator(data: DataConfig, tokenizer) -> Callable:
         # cache: the trainer runs without one). The varlen kernels (ours on CUDA, flash_attention_2) read the
         # sequence bounds made here once per micro-batch on the host: cu_seq_lens_q/k (int32, cumulative from 0) and
         # max_length_q/k (ints); without them flash_attention_2 re-derives them with host syncs in every layer.
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX,
-                                          return_flash_attn_kwargs=True)
+        return DataCollatorWithFlattening(
+            return_position_ids=True, separator_id=IGNORE_INDEX, return_flash_attn_kwargs=True
+        )
     # Pads input_ids with the pad token and labels with IGNORE_INDEX, and builds the attention mask.
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 

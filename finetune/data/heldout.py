@@ -71,16 +71,19 @@ def group_key(record: Any, source: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def split_records(records: list[Record], fraction: float, seed: int, source: str
-                  ) -> tuple[list[Record], list[Record], str]:
+def split_records(
+    records: list[Record], fraction: float, seed: int, source: str
+) -> tuple[list[Record], list[Record], str]:
     """(training rows in source order, held-out rows in a seeded order, what was held out)."""
     groups: dict[str, list[int]] = {}
     for index, (_, record) in enumerate(records):
         groups.setdefault(group_key(record, source), []).append(index)
     target = round(fraction * len(records))
     if target < 1:
-        raise RecipeError(f"eval.fraction={fraction:g} of the {len(records)} rows of data.source={source} holds out "
-                          "no row; raise eval.fraction (or data.limit)")
+        raise RecipeError(
+            f"eval.fraction={fraction:g} of the {len(records)} rows of data.source={source} holds out "
+            "no row; raise eval.fraction (or data.limit)"
+        )
     rng = random.Random(f"eval.fraction {seed}")
     order = sorted(groups)
     rng.shuffle(order)
@@ -93,14 +96,18 @@ def split_records(records: list[Record], fraction: float, seed: int, source: str
     if not held:  # every group is larger than the share: the smallest one
         held = [min(order, key=lambda k: len(groups[k]))]
     if len(held) == len(groups):
-        raise RecipeError(f"eval.fraction={fraction:g} holds out every row of data.source={source} ({len(groups)} "
-                          "group(s) of rows that are held out together); lower eval.fraction or raise data.limit")
+        raise RecipeError(
+            f"eval.fraction={fraction:g} holds out every row of data.source={source} ({len(groups)} "
+            "group(s) of rows that are held out together); lower eval.fraction or raise data.limit"
+        )
     chosen = {i for key in held for i in groups[key]}
     held_out = [records[i] for i in sorted(chosen)]
     rng.shuffle(held_out)
     kind = "module" if source == "stdlib_docs" else "distinct row"
-    how = (f"{len(chosen):,} row{'s' if len(chosen) != 1 else ''} ({len(held)} {kind}{'s' if len(held) != 1 else ''}) "
-           f"held out of {source}")
+    how = (
+        f"{len(chosen):,} row{'s' if len(chosen) != 1 else ''} ({len(held)} {kind}{'s' if len(held) != 1 else ''}) "
+        f"held out of {source}"
+    )
     return [r for i, r in enumerate(records) if i not in chosen], held_out, how
 
 
@@ -110,8 +117,15 @@ def split_records(records: list[Record], fraction: float, seed: int, source: str
 def eval_data(cfg: Config, source: str, split: str) -> DataConfig:
     """The data keys the eval rows are read and batched with: data.* with the eval section's source, limit, batching."""
     ev = cfg.eval
-    return dataclasses.replace(cfg.data, source=source, split=split, limit=ev.limit, batching=ev.batching,
-                               max_tokens_per_micro_batch=ev.max_tokens_per_micro_batch, streaming=False)
+    return dataclasses.replace(
+        cfg.data,
+        source=source,
+        split=split,
+        limit=ev.limit,
+        batching=ev.batching,
+        max_tokens_per_micro_batch=ev.max_tokens_per_micro_batch,
+        streaming=False,
+    )
 
 
 @contextlib.contextmanager
@@ -135,8 +149,10 @@ def check_no_overlap(train, rows: list[dict], key: str) -> None:
     seen = {row_digest(ids, im) for ids, im in zip(train["input_ids"], images)}
     both = sum(row_digest(r["input_ids"], r.get("images")) in seen for r in rows)
     if both:
-        raise RecipeError(f"{key}: {both} of the {len(rows)} eval rows are also training rows (the same tokens); an "
-                          "eval row must never be trained on: remove them from one of the sets")
+        raise RecipeError(
+            f"{key}: {both} of the {len(rows)} eval rows are also training rows (the same tokens); an "
+            "eval row must never be trained on: remove them from one of the sets"
+        )
 
 
 # ---- micro-batches ----
@@ -208,7 +224,21 @@ def load_datasets(cfg: Config, tokenizer, vision: bool) -> tuple[Any, DataReport
         collator = VisionCollator(collator, tokenizer)
     used = f" ({len(records):,} of them: eval.limit)" if ev.fraction and ev.limit is not None else ""
     when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
-    summary = (f"eval: {how}{used}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
-               f"{'es' if count != 1 else ''}; {when}")
-    return dataset, report, EvalSet(MicroBatches(rows, groups), collator, records, eval_report.format,
-                                    eval_report.rows_kept, sum(lengths), eval_report.target_tokens, summary)
+    summary = (
+        f"eval: {how}{used}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
+        f"{'es' if count != 1 else ''}; {when}"
+    )
+    return (
+        dataset,
+        report,
+        EvalSet(
+            MicroBatches(rows, groups),
+            collator,
+            records,
+            eval_report.format,
+            eval_report.rows_kept,
+            sum(lengths),
+            eval_report.target_tokens,
+            summary,
+        ),
+    )

@@ -71,12 +71,16 @@ def _held_out(where: str, record: Any, fmt: str, tokenizer, vision: bool) -> tup
         base = _base_dir(where)
         images = [open_image(ref, base) for ref in refs][: text.count(getattr(tokenizer, "image_token", "<image>"))]
     users = [m for m in prompt if m["role"] == "user"] or prompt
-    return _text_of(users[-1]["content"]), _text_of(messages[turns[0]]["content"]), _encode(
-        tokenizer, vision, text, images, False)
+    return (
+        _text_of(users[-1]["content"]),
+        _text_of(messages[turns[0]]["content"]),
+        _encode(tokenizer, vision, text, images, False),
+    )
 
 
-def sample_prompts(records: list[Record], fmt: str, count: int, own: list[str], tokenizer, vision: bool
-                   ) -> list[SamplePrompt]:
+def sample_prompts(
+    records: list[Record], fmt: str, count: int, own: list[str], tokenizer, vision: bool
+) -> list[SamplePrompt]:
     """`count` held-out rows of `records` (of format `fmt`) and the prompts `own`, as SamplePrompts."""
     prompts = []
     for index in _spread(min(count, len(records)), len(records)):

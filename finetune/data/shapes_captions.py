@@ -18,8 +18,14 @@ ROWS = 1024  # rows in the set; data.limit takes the first N
 SIDE = 96  # rendered pixels per side; the image processor resizes to the vision tower's size
 SHAPE_KINDS = ("circle", "square", "triangle", "diamond")
 COLOURS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
-    "purple": (140, 60, 180), "orange": (245, 140, 30), "pink": (240, 120, 180), "brown": (130, 80, 40),
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (240, 210, 40),
+    "purple": (140, 60, 180),
+    "orange": (245, 140, 30),
+    "pink": (240, 120, 180),
+    "brown": (130, 80, 40),
 }
 BACKGROUNDS = {"white": (250, 250, 250), "grey": (128, 128, 128), "black": (10, 10, 10)}
 PLACES = ("top left", "top", "top right", "left", "centre", "right", "bottom left", "bottom", "bottom right")

@@ -50,8 +50,10 @@ class DataReport:
         if self.streamed:
             return f"{self.source} ({self.format}), streamed: rows are read, tokenized and labelled as training goes"
         counts = [
-            (self.truncated, "truncated"), (self.dropped_over_length, "dropped over data.max_length"),
-            (self.dropped_no_supervised_tokens, "dropped without targets"), (self.bad_rows_skipped, "bad skipped"),
+            (self.truncated, "truncated"),
+            (self.dropped_over_length, "dropped over data.max_length"),
+            (self.dropped_no_supervised_tokens, "dropped without targets"),
+            (self.bad_rows_skipped, "bad skipped"),
         ]
         extra = "".join(f", {n:,} {what}" for n, what in counts if n)
         if self.skipped_files:  # said, never skipped in silence
@@ -75,8 +77,12 @@ def reject_row(data: DataConfig, report: DataReport, where: str, why: str) -> No
 
 
 def looks_like_path(source: str) -> bool:
-    return (Path(source).suffix.lower() in PATH_SUFFIXES or source.startswith(("/", "./", "../", "~"))
-            or source.count("/") > 1 or "\\" in source)
+    return (
+        Path(source).suffix.lower() in PATH_SUFFIXES
+        or source.startswith(("/", "./", "../", "~"))
+        or source.count("/") > 1
+        or "\\" in source
+    )
 
 
 def _room(data: DataConfig, report: DataReport, available: int) -> int:
@@ -177,8 +183,13 @@ def csv_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[Re
                 report.rows_read += 1
                 where = f"{path} row {number}"
                 if len(cells) != len(header):
-                    reject_row(data, report, where, f"{len(cells)} cells on line {reader.line_num} but the header has "
-                               f"{len(header)} ({', '.join(header)}); a value holding a comma needs quotes")
+                    reject_row(
+                        data,
+                        report,
+                        where,
+                        f"{len(cells)} cells on line {reader.line_num} but the header has "
+                        f"{len(header)} ({', '.join(header)}); a value holding a comma needs quotes",
+                    )
                     continue
                 yield where, dict(zip(header, cells))
         except csv.Error as e:
@@ -209,8 +220,11 @@ def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Recor
         try:
             items = json.loads(content.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
         except (UnicodeDecodeError, json.JSONDecodeError, DuplicateKey) as e:
-            at = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else (
-                "not UTF-8" if isinstance(e, UnicodeDecodeError) else str(e))
+            at = (
+                f"line {e.lineno} column {e.colno}: {e.msg}"
+                if isinstance(e, json.JSONDecodeError)
+                else ("not UTF-8" if isinstance(e, UnicodeDecodeError) else str(e))
+            )
             raise RecipeError(f"{path}: not a valid JSON array ({at})") from None
         return _take(items, f"{path} item", data, report, out)
     out.extend(json_line_records(path, content.splitlines(), data, report))
@@ -221,33 +235,44 @@ def folder_files(path: Path, source: str, report: DataReport | None = None) -> l
     that cannot be read is an error naming it: a link to nothing (or a loop), a file without read permission, a data
     file compressed in a way that is not read."""
     try:
-        entries = sorted(p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(
-            path).parts))
+        entries = sorted(
+            p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
     except OSError as e:
-        raise RecipeError(f"data.source={source}: cannot list {e.filename or path} ({e.strerror}); check "
-                          "its permissions") from None
+        raise RecipeError(
+            f"data.source={source}: cannot list {e.filename or path} ({e.strerror}); check its permissions"
+        ) from None
     files, others = [], []
     for p in entries:
         if p.is_symlink() and not p.exists():
-            raise RecipeError(f"data.source={source}: {p} is a link to nothing ({os.readlink(p)}, or a loop); fix "
-                              "or remove it")
+            raise RecipeError(
+                f"data.source={source}: {p} is a link to nothing ({os.readlink(p)}, or a loop); fix or remove it"
+            )
         if p.is_dir():
             continue
         kind, suffixes = file_kind(p), [s.lower() for s in p.suffixes]
-        if kind is None and suffixes and suffixes[-1] in COMPRESSED and len(suffixes) > 1 and suffixes[-2] in (
-                FILE_KINDS):
-            raise RecipeError(f"data.source={source}: {p} is compressed ({suffixes[-1]}), which is not read; "
-                              f"decompress it (gzip, .gz, is read for {', '.join(GZIP_KINDS)})")
+        if (
+            kind is None
+            and suffixes
+            and suffixes[-1] in COMPRESSED
+            and len(suffixes) > 1
+            and suffixes[-2] in (FILE_KINDS)
+        ):
+            raise RecipeError(
+                f"data.source={source}: {p} is compressed ({suffixes[-1]}), which is not read; "
+                f"decompress it (gzip, .gz, is read for {', '.join(GZIP_KINDS)})"
+            )
         if kind is None:
             others.append(str(p.relative_to(path)))
         elif not p.is_file() or not os.access(p, os.R_OK):
-            raise RecipeError(f"data.source={source}: {p} cannot be read (not a regular file, or no read "
-                              "permission)")
+            raise RecipeError(f"data.source={source}: {p} cannot be read (not a regular file, or no read permission)")
         else:
             files.append(p)
     if not files:
-        raise RecipeError(f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files"
-                          + (f" (only {', '.join(others[:3])})" if others else ""))
+        raise RecipeError(
+            f"data.source={source}: folder holds no {'/'.join(FILE_KINDS)} files"
+            + (f" (only {', '.join(others[:3])})" if others else "")
+        )
     if report is not None:
         report.skipped_files = others
     return files
@@ -265,15 +290,20 @@ def local_files(source: str, report: DataReport | None = None) -> list[Path] | N
         return folder_files(path, source, report)
     if path.is_file():
         if file_kind(path) is None:
-            raise RecipeError(f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)} (.jsonl, "
-                              ".json and .csv may be gzip-compressed: .gz)")
+            raise RecipeError(
+                f"data.source={source}: unsupported file type; use {', '.join(FILE_KINDS)} (.jsonl, "
+                ".json and .csv may be gzip-compressed: .gz)"
+            )
         return [path]
     if path.is_symlink():
-        raise RecipeError(f"data.source={source}: a link to nothing ({os.readlink(path)}, or a loop); fix the "
-                          "link or the path")
+        raise RecipeError(
+            f"data.source={source}: a link to nothing ({os.readlink(path)}, or a loop); fix the link or the path"
+        )
     if looks_like_path(source):
-        raise RecipeError(f"data.source={source}: no such file or folder; check the path (relative to "
-                          f"{Path.cwd()}), or give a hub dataset id or stdlib_docs")
+        raise RecipeError(
+            f"data.source={source}: no such file or folder; check the path (relative to "
+            f"{Path.cwd()}), or give a hub dataset id or stdlib_docs"
+        )
     return None
 
 

@@ -27,9 +27,23 @@ BUILD_VERSION = 1  # bump when the selection rules change: the cache file name c
 MIN_DOC_CHARS = 16  # drops AST node stubs such as "Add"
 PER_MODULE_CAP = 120  # keeps posix, ast and builtins from dominating (sorted names, first N)
 SKIP = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "ensurepip", "venv", "lib2to3", "test",
-    "pydoc_data", "__main__", "msilib", "winreg", "winsound",
-    "readline", "rlcompleter",  # importing them changes the terminal / interpreter state
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "ensurepip",
+    "venv",
+    "lib2to3",
+    "test",
+    "pydoc_data",
+    "__main__",
+    "msilib",
+    "winreg",
+    "winsound",
+    "readline",
+    "rlcompleter",  # importing them changes the terminal / interpreter state
     "distutils",  # replaced by setuptools' copy when setuptools is installed: not the stdlib's docs
 }
 

@@ -155,8 +155,9 @@ class StreamingSFT(torch.utils.data.IterableDataset):
                 yield {"input_ids": kept[0], "labels": kept[1]}
 
 
-def stream_sft_dataset(data: DataConfig, tokenizer, seed: int = 0, endless: bool = False
-                       ) -> tuple[StreamingSFT, DataReport]:
+def stream_sft_dataset(
+    data: DataConfig, tokenizer, seed: int = 0, endless: bool = False
+) -> tuple[StreamingSFT, DataReport]:
     """The streamed dataset and a report of its first rows (the format; counts grow as training reads); `endless`:
     what training reads, pass after pass (see the module)."""
     report = DataReport(source=data.source, streamed=True)

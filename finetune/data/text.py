@@ -68,8 +68,10 @@ def check_text(value: str, what: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadRow(f"{what} holds a lone surrogate ({value[e.start]!r} at character {e.start + 1}), which is not "
-                     "text (a broken \\u escape?); fix or remove it") from None
+        raise BadRow(
+            f"{what} holds a lone surrogate ({value[e.start]!r} at character {e.start + 1}), which is not "
+            "text (a broken \\u escape?); fix or remove it"
+        ) from None
 
 
 def chat_roles(tokenizer) -> tuple[str, ...]:
@@ -87,8 +89,10 @@ def check_turns(messages: list[dict], roles: tuple[str, ...], what: str) -> None
         role = message["role"]
         if role not in roles:
             guess = difflib.get_close_matches(role, roles, n=1)
-            raise BadRow(f"{what}[{k}].role={role!r} is not a chat role ({', '.join(roles)})"
-                         + (f"; did you mean '{guess[0]}'?" if guess else ""))
+            raise BadRow(
+                f"{what}[{k}].role={role!r} is not a chat role ({', '.join(roles)})"
+                + (f"; did you mean '{guess[0]}'?" if guess else "")
+            )
         if previous not in FOLLOWS.get(role, ("assistant", *TOOL_ROLES)):
             raise BadRow(f"{what}[{k}] is {_order_problem(role, previous)}")
         previous = role
@@ -98,8 +102,10 @@ def _order_problem(role: str, previous: str | None) -> str:
     if role == previous:
         return f"a second {role} turn in a row; turns alternate user, assistant, user, … (merge the two)"
     if role == "assistant":
-        return ("an assistant turn before any user turn; a conversation starts with a user turn (after an optional "
-                "system turn)")
+        return (
+            "an assistant turn before any user turn; a conversation starts with a user turn (after an optional "
+            "system turn)"
+        )
     if role == "system":
         return "a system turn after the first turn; a system turn can only come first"
     after = f"a {previous} turn" if previous else "nothing"
@@ -134,10 +140,16 @@ def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT
         first = 0
     else:
         prompt, completion = record["prompt"], record["completion"]
-        prompt = _messages(prompt, "prompt") if isinstance(prompt, list) else [
-            {"role": "user", "content": _text(prompt, "prompt")}]
-        completion = _messages(completion, "completion") if isinstance(completion, list) else [
-            {"role": "assistant", "content": _text(completion, "completion")}]
+        prompt = (
+            _messages(prompt, "prompt")
+            if isinstance(prompt, list)
+            else [{"role": "user", "content": _text(prompt, "prompt")}]
+        )
+        completion = (
+            _messages(completion, "completion")
+            if isinstance(completion, list)
+            else [{"role": "assistant", "content": _text(completion, "completion")}]
+        )
         messages, first = prompt + completion, len(prompt)  # the prompt is never a target
     check_turns(messages, roles, "messages" if fmt == "messages" else "prompt + completion")
     turns = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
@@ -196,8 +208,11 @@ def row_strings(fmt: str, record: Any, tokenizer, loss_on: str, max_chars: int |
         row[cut]["content"] = row[cut]["content"][:max_chars]
         turns = [i for i in turns if i <= cut]
     turns = [] if loss_on == "all" else turns
-    strings = [render_chat(tokenizer, row, False)] + [render_chat(tokenizer, row[:i], True) for i in turns] + [
-        render_chat(tokenizer, row[: i + 1], False) for i in turns]
+    strings = (
+        [render_chat(tokenizer, row, False)]
+        + [render_chat(tokenizer, row[:i], True) for i in turns]
+        + [render_chat(tokenizer, row[: i + 1], False) for i in turns]
+    )
     return strings, cut is not None
 
 
@@ -238,8 +253,9 @@ def blank_tokens(tokenizer):
     return functools.lru_cache(maxsize=None)(lambda token: not tokenizer.decode([token]).strip())
 
 
-def load_sft_dataset(data: DataConfig, tokenizer, records: list[Record] | None = None
-                     ) -> tuple[datasets.Dataset, DataReport]:
+def load_sft_dataset(
+    data: DataConfig, tokenizer, records: list[Record] | None = None
+) -> tuple[datasets.Dataset, DataReport]:
     """(datasets.Dataset with input_ids and labels, DataReport), from data.source or from `records` already read
     (finetune/data/heldout.py splits them into training and held-out rows)."""
     import datasets

@@ -29,8 +29,17 @@ from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
-IMAGE_TOKEN_NAMES = ("image_token", "fake_image_token", "global_image_token", "boi_token", "eoi_token",
-                     "image_start_token", "image_end_token", "vision_start_token", "vision_end_token")
+IMAGE_TOKEN_NAMES = (
+    "image_token",
+    "fake_image_token",
+    "global_image_token",
+    "boi_token",
+    "eoi_token",
+    "image_start_token",
+    "image_end_token",
+    "vision_start_token",
+    "vision_end_token",
+)
 
 
 # ---- images ----
@@ -127,8 +136,10 @@ def parse_vision_row(record: Any, image_token: str) -> tuple[list[dict], list[An
             raise BadRow("the row has images but no user turn to put them in")
         first_user["content"] = [{"type": "image"} for _ in images] + first_user["content"]
     elif placeholders != len(images):
-        raise BadRow(f"messages hold {placeholders} image placeholder(s) ({image_token} or {{type: image}}) but the "
-                     f"row has {len(images)} image(s)")
+        raise BadRow(
+            f"messages hold {placeholders} image placeholder(s) ({image_token} or {{type: image}}) but the "
+            f"row has {len(images)} image(s)"
+        )
     return out, images
 
 
@@ -146,9 +157,11 @@ def encode_row(processor, messages: list[dict], images: list, loss_on: str, blan
     turns = [] if loss_on == "all" else turns[-1:] if loss_on == "completion" else turns
     if loss_on != "all" and not turns:
         raise BadRow("no assistant turn to learn from")
-    strings = [render_chat(processor, messages, False)] + [
-        render_chat(processor, messages[:i], True) for i in turns] + [
-        render_chat(processor, messages[: i + 1], False) for i in turns]
+    strings = (
+        [render_chat(processor, messages, False)]
+        + [render_chat(processor, messages[:i], True) for i in turns]
+        + [render_chat(processor, messages[: i + 1], False) for i in turns]
+    )
     image_token = getattr(processor, "image_token", "<image>")
     encoded = []
     for text in strings:
@@ -208,8 +221,10 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
         if len(ids) > data.max_length:
             last_image = max((i for i, t in enumerate(ids) if t in image_ids), default=-1)
             if data.truncation == "error":
-                raise RecipeError(f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
-                                  "data.max_length or set data.truncation=right (cut) or drop")
+                raise RecipeError(
+                    f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+                    "data.max_length or set data.truncation=right (cut) or drop"
+                )
             if data.truncation == "drop" or last_image >= data.max_length:  # never cut through an image's tokens
                 report.dropped_over_length += 1
                 continue
@@ -229,11 +244,15 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
     report.rows_kept = len(columns["input_ids"])
     if not report.rows_kept:
         raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
-    features = datasets.Features({
-        "input_ids": [datasets.Value("int32")], "labels": [datasets.Value("int32")],
-        "images": [{"bytes": datasets.Value("binary"), "path": datasets.Value("string")}],
-        "row": datasets.Value("string"), "length": datasets.Value("int32"),
-    })
+    features = datasets.Features(
+        {
+            "input_ids": [datasets.Value("int32")],
+            "labels": [datasets.Value("int32")],
+            "images": [{"bytes": datasets.Value("binary"), "path": datasets.Value("string")}],
+            "row": datasets.Value("string"),
+            "length": datasets.Value("int32"),
+        }
+    )
     return datasets.Dataset.from_dict(columns, features=features), report
 
 

@@ -43,8 +43,11 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
 # Decided per call: a frozen module between trainable ones still passes gradients through.
 def _enter_no_grad_if_frozen(module, args, kwargs):
     inputs = [*args, *kwargs.values()]
-    if (torch.is_grad_enabled() and not any(p.requires_grad for p in module.parameters())
-            and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
+    if (
+        torch.is_grad_enabled()
+        and not any(p.requires_grad for p in module.parameters())
+        and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    ):
         module._finetune_grad_off = True
         torch.set_grad_enabled(False)
 
@@ -58,11 +61,16 @@ def add_lora(model, cfg: ModelConfig):
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM",
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, lora)
     except ValueError as e:  # peft's refusals: target modules that match nothing, or that LoRA cannot wrap
-        raise RecipeError(f"model.lora.target_modules={list(cfg.lora.target_modules)}: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise RecipeError(
+            f"model.lora.target_modules={list(cfg.lora.target_modules)}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None

@@ -23,7 +23,8 @@ CONTENT_PARTS_TO_TEXT = (
     "{%- set ns = namespace(messages=[]) -%}{%- for m in messages -%}{%- if m['content'] is string -%}"
     "{%- set ns.messages = ns.messages + [m] -%}{%- else -%}{%- set text = namespace(value='') -%}"
     "{%- for part in m['content'] -%}{%- if part['type'] == 'image' -%}{%- set text.value = text.value + '"
-    + IMAGE_TOKEN + "' -%}{%- elif part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}"
+    + IMAGE_TOKEN
+    + "' -%}{%- elif part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}"
     "{%- endif -%}{%- endfor -%}{%- set ns.messages = ns.messages + [{'role': m['role'], 'content': text.value}] -%}"
     "{%- endif -%}{%- endfor -%}{%- set messages = ns.messages -%}"
 )
@@ -65,8 +66,12 @@ def assemble(lm_folder: str, vision, trust_remote_code: bool = False):
     lm = AutoModelForCausalLM.from_pretrained(lm_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
     patches = (vision.image_size // vision.patch_size) ** 2
     config = LlavaConfig(
-        vision_config=vision, text_config=lm.config, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_seq_length=patches,
+        vision_config=vision,
+        text_config=lm.config,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        image_seq_length=patches,
         tie_word_embeddings=lm.config.tie_word_embeddings,
     )
     with torch.random.fork_rng():  # the same tower and projector whatever the recipe's seed
@@ -89,8 +94,12 @@ def llava_processor(tokenizer, image_size: int, patch_size: int):
 
     image_processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
     return LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-        vision_feature_select_strategy="full", chat_template=tokenizer.chat_template, image_token=IMAGE_TOKEN,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="full",
+        chat_template=tokenizer.chat_template,
+        image_token=IMAGE_TOKEN,
     )
 
 

@@ -106,18 +106,25 @@ def check_folder(cfg: ModelConfig, source: str) -> None:
     path = Path(source).expanduser()
     if not path.exists():
         if source.startswith(("/", "./", "../", "~")) or source.count("/") > 1:  # a hub id is NAME or OWNER/NAME
-            raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no such folder; check the path, or give a hub "
-                              "id or pkg:PACKAGE")
+            raise RecipeError(
+                f"model.name_or_path={cfg.name_or_path}: no such folder; check the path, or give a hub "
+                "id or pkg:PACKAGE"
+            )
         return
     where = f"model.name_or_path={cfg.name_or_path}"
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise RecipeError(f"{where}: {'no config.json in the folder' if path.is_dir() else 'not a folder'}; give a "
-                          "model folder (config.json, weights, tokenizer), a hub id, or pkg:PACKAGE with "
-                          "model.gguf_file")
-    if not cfg.from_config and not any(p.name.endswith(WEIGHT_SUFFIXES) and p.name not in NEVER_LOADED
-                                       for p in path.iterdir()):
-        raise RecipeError(f"{where}: no weights in the folder (model.safetensors, …); give a complete model folder, "
-                          "or set model.from_config=true for random weights")
+        raise RecipeError(
+            f"{where}: {'no config.json in the folder' if path.is_dir() else 'not a folder'}; give a "
+            "model folder (config.json, weights, tokenizer), a hub id, or pkg:PACKAGE with "
+            "model.gguf_file"
+        )
+    if not cfg.from_config and not any(
+        p.name.endswith(WEIGHT_SUFFIXES) and p.name not in NEVER_LOADED for p in path.iterdir()
+    ):
+        raise RecipeError(
+            f"{where}: no weights in the folder (model.safetensors, …); give a complete model folder, "
+            "or set model.from_config=true for random weights"
+        )
     problems = folder_problems(str(path))
     if problems:
         damaged = "; ".join(f"{name}: {why}" for name, why in problems.items())
@@ -128,9 +135,11 @@ def load_tokenizer(cfg: ModelConfig, folder: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:  # not there, unreachable, or files transformers cannot use
-        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: cannot load its tokenizer "
-                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); give a folder or hub id with "
-                          "tokenizer files") from None
+        raise RecipeError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load its tokenizer "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); give a folder or hub id with "
+            "tokenizer files"
+        ) from None
     if tokenizer.pad_token is None:  # padding is masked from attention and loss; any id will do
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -164,8 +173,10 @@ def load_model(cfg: ModelConfig, folder: str):
     except (ValueError, RuntimeError) as e:  # the recipe's settings refused (attn_implementation, overrides, dtype)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         keys = "model.config_overrides, " if cfg.from_config else ""
-        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: the model cannot be built ({why}); check "
-                          f"{keys}model.attn_implementation and model.dtype") from None
+        raise RecipeError(
+            f"model.name_or_path={cfg.name_or_path}: the model cannot be built ({why}); check "
+            f"{keys}model.attn_implementation and model.dtype"
+        ) from None
     freeze(model, cfg.freeze)
     if cfg.lora.enabled:
         model = add_lora(model, cfg)

@@ -104,17 +104,20 @@ def plain_causal(module, query, key, attention_mask, is_causal, kwargs) -> bool:
     return True
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
+def packed_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' attention signature: query [B, H, T, d], key/value [B, H_kv, T, d] → ([B, T, H, d], None)."""
     length = query.shape[2]
     if not plain_causal(module, query, key, attention_mask, is_causal, kwargs):  # sdpa's path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     bounds = sequence_bounds(query.shape[0], length, kwargs)
     if all(len(row) == 1 for row in bounds):  # one sequence per row: sdpa's own causal call
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     groups = getattr(module, "num_key_value_groups", 1)
     gqa = {}
     if groups > 1:  # sdpa's own choice: enable_gqa where its kernels take it unmasked (CUDA), else repeat once per row
@@ -137,20 +140,47 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     return torch.cat(rows, dim=0), None
 
 
-def packed_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
-                     attention_mask=None, local_size=None, allow_is_causal_skip=True, use_vmap=False, **kwargs):
+def packed_sdpa_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip=True,
+    use_vmap=False,
+    **kwargs,
+):
     """No mask for a plain causal row or a packed one (the attention splits it); sdpa's mask for anything else."""
     # `and_mask` without vmap is transformers' packed-sequence wrapper of the causal mask (custom and-masks use vmap)
     packed = getattr(mask_function, "__name__", None) == "and_mask" and not use_vmap
     causal = packed or (mask_function is causal_mask_function and allow_is_causal_skip)
-    plain = (attention_mask is None and local_size is None and "allow_is_bidirectional_skip" not in kwargs
-             and q_length == kv_length and isinstance(q_offset, int) and isinstance(kv_offset, int)
-             and q_offset == kv_offset == 0)
+    plain = (
+        attention_mask is None
+        and local_size is None
+        and "allow_is_bidirectional_skip" not in kwargs
+        and q_length == kv_length
+        and isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and q_offset == kv_offset == 0
+    )
     if causal and plain:
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
 
 
 class PackedAttention:
@@ -163,11 +193,13 @@ class PackedAttention:
         self.varlen = varlen
         self.warned: set[str] = set()
 
-    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                 **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         kernel = self.varlen
-        if (kernel is not None and query.device.type == kernel.device
-                and plain_causal(module, query, key, attention_mask, is_causal, kwargs)):
+        if (
+            kernel is not None
+            and query.device.type == kernel.device
+            and plain_causal(module, query, key, attention_mask, is_causal, kwargs)
+        ):
             reason = kernel.why_not(query, dropout, kwargs)
             if reason is None:
                 return kernel(query, key, value, scaling, kwargs), None
@@ -175,10 +207,13 @@ class PackedAttention:
             alone = cu is not None and cu.numel() <= 2  # one sequence: sdpa's own call either way, nothing to say
             if reason not in self.warned and not alone:
                 self.warned.add(reason)
-                logger.warning(f"attention '{NAME}': packed rows on {kernel.device} run causal sdpa per sequence, "
-                               f"not the varlen kernel: {reason}")
-        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                     is_causal=is_causal, **kwargs)
+                logger.warning(
+                    f"attention '{NAME}': packed rows on {kernel.device} run causal sdpa per sequence, "
+                    f"not the varlen kernel: {reason}"
+                )
+        return packed_sdpa_attention(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
 
 
 def register(attention: PackedAttention | None = None, name: str = NAME) -> PackedAttention:
@@ -254,10 +289,13 @@ def use_for_packed_rows(model) -> str:
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
     model.config._attn_implementation = NAME
     if attention.varlen is None and torch.cuda.is_available():
-        logger.warning(f"attention '{NAME}': torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn, "
-                       "so packed rows on CUDA run causal sdpa per sequence (one call per sequence and layer); "
-                       "torch>=2.10 runs one varlen kernel per layer, as does model.attn_implementation="
-                       "flash_attention_2 where flash-attn is installed")
+        logger.warning(
+            f"attention '{NAME}': torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn, "
+            "so packed rows on CUDA run causal sdpa per sequence (one call per sequence and layer); "
+            "torch>=2.10 runs one varlen kernel per layer, as does model.attn_implementation="
+            "flash_attention_2 where flash-attn is installed"
+        )
     on_cuda = "; on CUDA one varlen_attn call per layer" if attention.varlen is not None else ""
-    return (f"attention: {NAME}, causal sdpa on each sequence of a packed row{on_cuda} "
-            "(finetune/model/packed_attention.py)")
+    return (
+        f"attention: {NAME}, causal sdpa on each sequence of a packed row{on_cuda} (finetune/model/packed_attention.py)"
+    )

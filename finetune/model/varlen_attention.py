@@ -45,8 +45,13 @@ class VarlenKernel:
     `window_size=(-1, 0)`, `scale` and `enable_gqa`. A missing `scale` is folded into the query, a missing
     `enable_gqa` repeats the key/value heads."""
 
-    def __init__(self, fn: Callable, device: str = "cuda", dtypes: tuple[torch.dtype, ...] = FLASH_DTYPES,
-                 max_head_dim: int = FLASH_MAX_HEAD_DIM):
+    def __init__(
+        self,
+        fn: Callable,
+        device: str = "cuda",
+        dtypes: tuple[torch.dtype, ...] = FLASH_DTYPES,
+        max_head_dim: int = FLASH_MAX_HEAD_DIM,
+    ):
         self.fn, self.device, self.dtypes, self.max_head_dim = fn, device, dtypes, max_head_dim
         parameters = inspect.signature(fn).parameters
         self.causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}

@@ -53,8 +53,9 @@ def load_processor(cfg: ModelConfig, folder: str):
     except (OSError, ValueError, ImportError) as e:
         raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no processor ({str(e).splitlines()[0]})") from None
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
-        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: {type(processor).__name__} is not an image+text "
-                          "processor")
+        raise RecipeError(
+            f"model.name_or_path={cfg.name_or_path}: {type(processor).__name__} is not an image+text processor"
+        )
     if processor.tokenizer.pad_token is None:  # padding is masked from attention and loss; any id will do
         processor.tokenizer.pad_token = processor.tokenizer.eos_token
     return processor
@@ -64,17 +65,22 @@ def load_vlm(cfg: ModelConfig, folder: str, processor):
     from transformers import AutoModelForImageTextToText
 
     if cfg.from_config or cfg.config_overrides:
-        raise RecipeError("model.from_config/config_overrides are for text models; a VLM recipe sizes its vision "
-                          "tower with model.vision_config")
+        raise RecipeError(
+            "model.from_config/config_overrides are for text models; a VLM recipe sizes its vision "
+            "tower with model.vision_config"
+        )
     source = vlm_folder(cfg, folder)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            source, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+            source,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         )
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: cannot load as an image+text model "
-                          f"({str(e).splitlines()[0]})") from None
+        raise RecipeError(
+            f"model.name_or_path={cfg.name_or_path}: cannot load as an image+text model ({str(e).splitlines()[0]})"
+        ) from None
     return prepare_vlm(model, cfg, processor)
 
 
@@ -148,8 +154,11 @@ def freeze_unused_vision_parameters(model, dummy) -> None:
     for name in unused:
         trainable[name].requires_grad_(False)
     if unused and is_main_process():
-        print(f"frozen {len(unused)} vision parameters the image features do not use: {', '.join(unused[:4])}"
-              f"{', …' if len(unused) > 4 else ''}", flush=True)
+        print(
+            f"frozen {len(unused)} vision parameters the image features do not use: {', '.join(unused[:4])}"
+            f"{', …' if len(unused) > 4 else ''}",
+            flush=True,
+        )
 
 
 def run_vision_on_every_batch(model, dummy) -> None:
@@ -186,7 +195,10 @@ def add_language_lora(model, cfg: ModelConfig):
     language = next(n for n, m in model.named_modules() if m is decoder)
     keep = fully_trainable_modules(model, skip={id(decoder), id(model.get_output_embeddings())})
     lora = LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM",
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        task_type="CAUSAL_LM",
         target_modules=rf"{re.escape(language)}\..*\.(?:{'|'.join(map(re.escape, cfg.lora.target_modules))})",
         modules_to_save=keep or None,
     )

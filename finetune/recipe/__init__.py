@@ -26,7 +26,25 @@ from finetune.recipe.schema import (
 )
 
 __all__ = [
-    "CHOICES", "OPEN_DICTS", "Config", "DataConfig", "EvalConfig", "LogConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "RecipeError", "ScheduleConfig", "TrainConfig", "accumulation_steps", "check_config", "choice_error",
-    "evaluates", "is_budgeted", "load_config", "recipe_file", "split_tool_args", "to_yaml",
+    "CHOICES",
+    "OPEN_DICTS",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "LogConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RecipeError",
+    "ScheduleConfig",
+    "TrainConfig",
+    "accumulation_steps",
+    "check_config",
+    "choice_error",
+    "evaluates",
+    "is_budgeted",
+    "load_config",
+    "recipe_file",
+    "split_tool_args",
+    "to_yaml",
 ]

@@ -48,8 +48,10 @@ def accumulation_steps(config: Config, ranks: int) -> int:
                 "data.max_tokens_per_micro_batch); use train.global_batch_size for sequences"
             )
         if train.micro_batch_size == "auto":
-            raise RecipeError("train.micro_batch_size=auto is chosen when training starts; run python -m finetune.plan "
-                              "recipe=… to see the choice, or set a number")
+            raise RecipeError(
+                "train.micro_batch_size=auto is chosen when training starts; run python -m finetune.plan "
+                "recipe=… to see the choice, or set a number"
+            )
         total, per_micro_step = train.global_batch_size, train.micro_batch_size * ranks
         names = f"train.global_batch_size={total} is not divisible by train.micro_batch_size={train.micro_batch_size}"
     if total % per_micro_step:
@@ -71,8 +73,10 @@ def bounds_text(bounds: dict) -> str:
     """What a key's bounds (schema.number) ask, in words: positive, ≥ 0, in [0, 1), …"""
     low, high = bounds["min"], bounds["max"]
     if low is not None and high is not None:
-        return (f"in {'(' if bounds['min_exclusive'] else '['}{_number_text(low)}, {_number_text(high)}"
-                f"{')' if bounds['max_exclusive'] else ']'}")
+        return (
+            f"in {'(' if bounds['min_exclusive'] else '['}{_number_text(low)}, {_number_text(high)}"
+            f"{')' if bounds['max_exclusive'] else ']'}"
+        )
     if low is not None:
         if low == 0:
             return "positive" if bounds["min_exclusive"] else "≥ 0"
@@ -122,7 +126,7 @@ def check_numbers(section: Any, prefix: str = "") -> None:
                 many = f"{COUNT_WORDS.get(count, count)} numbers" if count else "numbers"
                 raise RecipeError(f"{key}={list(value)} must be {many} {bounds_text(bounds)}{hint}")
             continue
-        for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
+        for name, number in value.items() if isinstance(value, dict) else [(None, value)]:
             if out_of_bounds(number, bounds):
                 where = key if name is None else f"{key}.{name}"
                 verb = "must be"
@@ -164,15 +168,19 @@ def check_config(config: Config) -> None:
     if not config.model.name_or_path.strip():
         raise RecipeError("model.name_or_path is empty; set it to a model folder, a hub id, or pkg:PACKAGE")
     if not config.data.source.strip():
-        raise RecipeError("data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a "
-                          "hub dataset id")
+        raise RecipeError(
+            "data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a hub dataset id"
+        )
     if config.train.max_steps == 0:
-        raise RecipeError("train.max_steps=0 makes no optimizer step; set a positive number of steps, or -1 to train "
-                          "for train.epochs")
+        raise RecipeError(
+            "train.max_steps=0 makes no optimizer step; set a positive number of steps, or -1 to train for train.epochs"
+        )
     if micro == "auto" and config.data.streaming:
-        raise RecipeError("train.micro_batch_size=auto plans with the data's longest rows, which data.streaming=true "
-                          "does not know up front; set a number (python -m finetune.plan with data.streaming=false "
-                          "shows one)")
+        raise RecipeError(
+            "train.micro_batch_size=auto plans with the data's longest rows, which data.streaming=true "
+            "does not know up front; set a number (python -m finetune.plan with data.streaming=false "
+            "shows one)"
+        )
     if config.train.max_steps < 1 and config.train.epochs <= 0:
         raise RecipeError("set train.max_steps to a positive number of optimizer steps or train.epochs above 0")
     profile = config.train.profile_steps
@@ -212,12 +220,16 @@ def check_config(config: Config) -> None:
     if micro != "auto":
         accumulation_steps(config, ranks)
     elif is_budgeted(config.data):
-        raise RecipeError(f"train.micro_batch_size=auto plans sequences per micro-batch; data.batching="
-                          f"{config.data.batching} fills micro-batches by tokens: run python -m finetune.plan to "
-                          "choose data.max_tokens_per_micro_batch")
+        raise RecipeError(
+            f"train.micro_batch_size=auto plans sequences per micro-batch; data.batching="
+            f"{config.data.batching} fills micro-batches by tokens: run python -m finetune.plan to "
+            "choose data.max_tokens_per_micro_batch"
+        )
     elif config.train.global_batch_size % ranks:
-        raise RecipeError(f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
-                          f"{ranks} ranks; set a multiple of {ranks}")
+        raise RecipeError(
+            f"train.global_batch_size={config.train.global_batch_size} is not divisible by the "
+            f"{ranks} ranks; set a multiple of {ranks}"
+        )
 
 
 def precision_on_device(config: Config, gpu_name: str | None, gpu_has_bf16: bool) -> str | None:
@@ -225,11 +237,19 @@ def precision_on_device(config: Config, gpu_name: str | None, gpu_has_bf16: bool
     (accelerate runs fp16 there as plain fp32: no autocast, no GradScaler)."""
     if config.train.precision == "fp16" and gpu_name is None:
         return "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"
-    wants_bf16 = [k for k, v in (("train.precision", config.train.precision == "bf16"),
-                                 ("model.dtype", config.model.dtype == "bfloat16")) if v]
+    wants_bf16 = [
+        k
+        for k, v in (
+            ("train.precision", config.train.precision == "bf16"),
+            ("model.dtype", config.model.dtype == "bfloat16"),
+        )
+        if v
+    ]
     if gpu_name is not None and not gpu_has_bf16 and wants_bf16:
-        return (f"{' and '.join(f'{k}={_get(config, k)}' for k in wants_bf16)} needs bf16, which this GPU ({gpu_name}) "
-                "does not have (Ampere or newer does); use train.precision=fp16 with model.dtype=float32, or fp32")
+        return (
+            f"{' and '.join(f'{k}={_get(config, k)}' for k in wants_bf16)} needs bf16, which this GPU ({gpu_name}) "
+            "does not have (Ampere or newer does); use train.precision=fp16 with model.dtype=float32, or fp32"
+        )
     return None
 
 
@@ -239,38 +259,59 @@ def precision_warning(config: Config) -> str | None:
     once: an lr of 1e-5 on weights of 1e-2 is lost whole."""
     if config.model.dtype != "bfloat16":
         return None
-    return ("model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller than 1/256 of a weight "
-            "are rounded away; for exact small-lr updates use model.dtype=float32 with train.precision=bf16")
+    return (
+        "model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller than 1/256 of a weight "
+        "are rounded away; for exact small-lr updates use model.dtype=float32 with train.precision=bf16"
+    )
 
 
 def check_eval(config: Config) -> None:
     """The eval section against itself and the data section."""
     ev, data = config.eval, config.data
     if ev.source and ev.fraction:
-        raise RecipeError("set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not "
-                          "both")
+        raise RecipeError(
+            "set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not both"
+        )
     if not evaluates(config):
-        asked = [key for key, given in (
-            ("eval.every_steps", ev.every_steps), ("eval.best_checkpoint", ev.best_checkpoint),
-            ("eval.early_stopping_patience", ev.early_stopping_patience), ("eval.limit", ev.limit is not None),
-            ("eval.prompts", ev.prompts)) if given]
+        asked = [
+            key
+            for key, given in (
+                ("eval.every_steps", ev.every_steps),
+                ("eval.best_checkpoint", ev.best_checkpoint),
+                ("eval.early_stopping_patience", ev.early_stopping_patience),
+                ("eval.limit", ev.limit is not None),
+                ("eval.prompts", ev.prompts),
+            )
+            if given
+        ]
         if asked:
-            raise RecipeError(f"{asked[0]} needs an eval set: set eval.fraction (e.g. 0.05: rows held out of "
-                              "data.source) or eval.source")
+            raise RecipeError(
+                f"{asked[0]} needs an eval set: set eval.fraction (e.g. 0.05: rows held out of "
+                "data.source) or eval.source"
+            )
         return
     if data.streaming and ev.fraction:
-        raise RecipeError("eval.fraction holds rows out of data.source, which data.streaming=true reads only as "
-                          "training goes; set eval.source to a separate eval set, or data.streaming=false")
+        raise RecipeError(
+            "eval.fraction holds rows out of data.source, which data.streaming=true reads only as "
+            "training goes; set eval.source to a separate eval set, or data.streaming=false"
+        )
     if ev.early_stopping_patience and not ev.every_steps:
-        raise RecipeError("eval.early_stopping_patience counts evaluations during training; set eval.every_steps "
-                          "(optimizer steps between evaluations)")
+        raise RecipeError(
+            "eval.early_stopping_patience counts evaluations during training; set eval.every_steps "
+            "(optimizer steps between evaluations)"
+        )
     budget = ev.max_tokens_per_micro_batch
     if ev.batching == "token_budget" and not budget:
-        raise RecipeError("eval.batching=token_budget needs eval.max_tokens_per_micro_batch (tokens per eval "
-                          "micro-batch)")
+        raise RecipeError(
+            "eval.batching=token_budget needs eval.max_tokens_per_micro_batch (tokens per eval micro-batch)"
+        )
     if budget and ev.batching in ("padded", "length_grouped"):
-        raise RecipeError(f"eval.max_tokens_per_micro_batch applies to eval.batching=token_budget or packed, not "
-                          f"{ev.batching}; remove it or change eval.batching")
+        raise RecipeError(
+            f"eval.max_tokens_per_micro_batch applies to eval.batching=token_budget or packed, not "
+            f"{ev.batching}; remove it or change eval.batching"
+        )
     if budget and budget < data.max_length:
-        raise RecipeError(f"eval.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}: a "
-                          "longest row would not fit; raise the budget or lower data.max_length")
+        raise RecipeError(
+            f"eval.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}: a "
+            "longest row would not fit; raise the budget or lower data.max_length"
+        )

@@ -35,12 +35,22 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 # transformers.TrainingArguments names people bring along, and where that setting lives in a recipe
 TRAINER_NAMES = {
-    "learning_rate": "optim.lr", "lr": "optim.lr", "per_device_train_batch_size": "train.micro_batch_size",
+    "learning_rate": "optim.lr",
+    "lr": "optim.lr",
+    "per_device_train_batch_size": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.global_batch_size (accumulation is derived from it)",
-    "num_train_epochs": "train.epochs", "lr_scheduler_type": "schedule.name", "optim": "optim.name",
-    "bf16": "train.precision", "fp16": "train.precision", "batch_size": "train.global_batch_size",
-    "model_name_or_path": "model.name_or_path", "report_to": "log.wandb_mode", "logging_steps": "log.every_steps",
-    "resume_from_checkpoint": "train.resume_from", "dataset": "data.source", "max_seq_length": "data.max_length",
+    "num_train_epochs": "train.epochs",
+    "lr_scheduler_type": "schedule.name",
+    "optim": "optim.name",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "batch_size": "train.global_batch_size",
+    "model_name_or_path": "model.name_or_path",
+    "report_to": "log.wandb_mode",
+    "logging_steps": "log.every_steps",
+    "resume_from_checkpoint": "train.resume_from",
+    "dataset": "data.source",
+    "max_seq_length": "data.max_length",
 }
 
 
@@ -68,8 +78,10 @@ def _merge(schema: DictConfig, other: DictConfig, where: str) -> DictConfig:
         section = None if e.full_key else _section_given_a_value(schema, other)
         if section:  # OmegaConf names no key then
             keys = list(OmegaConf.select(schema, section).keys())
-            raise RecipeError(f"{where}: {section} is a section ({', '.join(keys[:3])}, …), not a value; set its keys, "
-                              f"e.g. {section}.{keys[0]}=…") from None
+            raise RecipeError(
+                f"{where}: {section} is a section ({', '.join(keys[:3])}, …), not a value; set its keys, "
+                f"e.g. {section}.{keys[0]}=…"
+            ) from None
         raise RecipeError(f"{where}: {e.full_key}={e.value!r} is not a valid {_type_name(e)}; fix the value") from None
     except OmegaConfBaseException as e:
         raise RecipeError(f"{where}: {str(e).splitlines()[0]}") from None

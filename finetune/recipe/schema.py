@@ -20,13 +20,27 @@ def one_of(*choices: str, default: str | None = None) -> Any:
     return field(default=choices[0] if default is None else default, metadata={"choices": choices})
 
 
-def number(default: Any = None, *, min: float | None = None, max: float | None = None, min_exclusive: bool = False,
-           max_exclusive: bool = False, count: int | None = None, hint: str = "") -> Any:
+def number(
+    default: Any = None,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+    max_exclusive: bool = False,
+    count: int | None = None,
+    hint: str = "",
+) -> Any:
     """A numeric key (or a list or map of numbers, each checked): finite, within [min, max] (or the open ends).
     `checks.check_numbers` checks every such key and words its message from these bounds; `count`: a list's length,
     `hint`: what the bound means, added to the message."""
-    bounds = {"min": min, "max": max, "min_exclusive": min_exclusive, "max_exclusive": max_exclusive,
-              "count": count, "hint": hint}
+    bounds = {
+        "min": min,
+        "max": max,
+        "min_exclusive": min_exclusive,
+        "max_exclusive": max_exclusive,
+        "count": count,
+        "hint": hint,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"number": bounds})
     return field(default=default, metadata={"number": bounds})

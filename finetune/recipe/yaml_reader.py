@@ -60,15 +60,18 @@ def _check_expansion(root: yaml.Node, where: str) -> None:
             open_nodes.discard(id(node))
             sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in _children(node)), MAX_NODES + 1)
             if sizes[id(node)] > MAX_NODES:
-                raise RecipeError(f"{where}: its anchors and aliases expand to more than {MAX_NODES:,} values; write "
-                                  "the values out, or use fewer aliases")
+                raise RecipeError(
+                    f"{where}: its anchors and aliases expand to more than {MAX_NODES:,} values; write "
+                    "the values out, or use fewer aliases"
+                )
             continue
         if id(node) in sizes:
             continue
         if id(node) in open_nodes:
             line = node.start_mark.line + 1
-            raise RecipeError(f"{where}: an alias at line {line} refers to a value that contains it (a loop); "
-                              "remove the alias")
+            raise RecipeError(
+                f"{where}: an alias at line {line} refers to a value that contains it (a loop); remove the alias"
+            )
         open_nodes.add(id(node))
         stack.append((node, True))
         stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
@@ -88,8 +91,10 @@ def parse_yaml(text: str, where: str) -> Any:
         _check_expansion(node, where)
         return loader.construct_document(node)
     except _DuplicateKey as e:
-        raise RecipeError(f"{where}: '{e.key}' is written twice in one mapping (lines {e.first} and {e.again}); YAML "
-                          "would silently keep only the second, so merge them into one") from None
+        raise RecipeError(
+            f"{where}: '{e.key}' is written twice in one mapping (lines {e.first} and {e.again}); YAML "
+            "would silently keep only the second, so merge them into one"
+        ) from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
     except RecursionError:
@@ -108,6 +113,7 @@ def read_yaml_file(file: Path) -> Any:
         text = raw.decode("utf-8-sig")  # a byte-order mark (some editors write one) is not part of the text
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise RecipeError(f"{file}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save it as UTF-8"
-                          ) from None
+        raise RecipeError(
+            f"{file}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save it as UTF-8"
+        ) from None
     return parse_yaml(text, str(file))

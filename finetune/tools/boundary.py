@@ -59,8 +59,10 @@ def _own_line(message: str) -> str:
 
 
 HOST_OOM = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)|std::bad_alloc")
-PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
-                       r"remote process exited or there was a network error")
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
+    r"remote process exited or there was a network error"
+)
 DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
 
 
@@ -68,11 +70,15 @@ def machine_fault(error: BaseException) -> str | None:
     """The `error:` line's message for a fault of the machine or a peer (every rank that meets one prints it)."""
     first = str(error).splitlines()[0] if str(error) else ""
     if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
-        return (f"out of device memory ({first[:200]}); lower train.micro_batch_size (or set it to auto) or "
-                "data.max_length, or set train.gradient_checkpointing=true")
+        return (
+            f"out of device memory ({first[:200]}); lower train.micro_batch_size (or set it to auto) or "
+            "data.max_length, or set train.gradient_checkpointing=true"
+        )
     if isinstance(error, MemoryError) or HOST_OOM.search(first):
-        return (f"out of host memory ({first[:200] or 'MemoryError'}); lower train.micro_batch_size, "
-                "data.max_length or data.num_workers, run fewer ranks per machine, or use one with more memory")
+        return (
+            f"out of host memory ({first[:200] or 'MemoryError'}); lower train.micro_batch_size, "
+            "data.max_length or data.num_workers, run fewer ranks per machine, or use one with more memory"
+        )
     if isinstance(error, OSError) and error.errno is not None and error.errno in WRITE_ADVICE:
         where = f"{error.filename}: " if error.filename else ""
         return f"{where}{error.strerror or first}; {write_advice(error.errno)}"
@@ -84,9 +90,11 @@ def machine_fault(error: BaseException) -> str | None:
     if type(error).__name__ in DIST_ERRORS or (isinstance(error, RuntimeError) and PEER_LOST.search(first)):
         peer = f"rank {1 - rank()}" if world_size() == 2 else "another rank"
         said = re.sub(r"^\[[^\]]*\] *", "", first).split(". ")[0][:160]  # gloo: "[pair.cc:537] Read error …"
-        return (f"lost {peer} ({said}): {peer} stopped first (killed, out of memory, or its "
-                "machine failed); its own error line or the launcher's report says why. Resume with "
-                "train.resume_from=auto")
+        return (
+            f"lost {peer} ({said}): {peer} stopped first (killed, out of memory, or its "
+            "machine failed); its own error line or the launcher's report says why. Resume with "
+            "train.resume_from=auto"
+        )
     return None
 
 
@@ -104,6 +112,10 @@ def run_command(body: Callable[[], int]) -> int:
             return 2
         _close_progress_bars()
         traceback.print_exc()
-        print(f"internal error ({type(e).__name__}): a bug in finetune, not in your recipe or data; please report "
-              "it with the traceback above", file=sys.stderr, flush=True)
+        print(
+            f"internal error ({type(e).__name__}): a bug in finetune, not in your recipe or data; please report "
+            "it with the traceback above",
+            file=sys.stderr,
+            flush=True,
+        )
         return INTERNAL_ERROR

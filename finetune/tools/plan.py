@@ -62,16 +62,19 @@ class Plan:
 
     def describe(self) -> str:
         per = f"{self.value} {self.unit}" if self.unit == "tokens" else f"{self.value}"
-        return "\n".join([
-            f"plan: {self.how}",
-            f"  limit {self.limit_bytes / GIB:.2f} GiB ({self.limit_text})",
-            f"  micro-batch {per}, accumulation {self.accumulation}, {self.ranks} rank{'s' if self.ranks != 1 else ''}"
-            f" → global batch {self.global_batch} {self.unit} (kept)",
-            f"  expected peak memory {self.peak_bytes / GIB:.2f} GiB per rank",
-            *([f"  eval: {self.eval_text}"] if self.eval_text else []),
-            f"  lr {self.lr_text}",
-            f"  set: {self.key}={self.value}",
-        ])
+        return "\n".join(
+            [
+                f"plan: {self.how}",
+                f"  limit {self.limit_bytes / GIB:.2f} GiB ({self.limit_text})",
+                f"  micro-batch {per}, accumulation {self.accumulation}, "
+                f"{self.ranks} rank{'s' if self.ranks != 1 else ''}"
+                f" → global batch {self.global_batch} {self.unit} (kept)",
+                f"  expected peak memory {self.peak_bytes / GIB:.2f} GiB per rank",
+                *([f"  eval: {self.eval_text}"] if self.eval_text else []),
+                f"  lr {self.lr_text}",
+                f"  set: {self.key}={self.value}",
+            ]
+        )
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict]:
@@ -102,8 +105,10 @@ def candidates(cfg: Config, ranks: int) -> tuple[str, str, int, list[int]]:
     if budgeted:
         values = [v for v in values if v >= cfg.data.max_length]
         if not values:
-            raise RecipeError(f"{total_key}={total} over {ranks} ranks is below data.max_length="
-                              f"{cfg.data.max_length}: no token budget holds a longest row")
+            raise RecipeError(
+                f"{total_key}={total} over {ranks} ranks is below data.max_length="
+                f"{cfg.data.max_length}: no token budget holds a longest row"
+            )
     return key, "tokens" if budgeted else "sequences", total, values
 
 
@@ -118,10 +123,9 @@ def largest_fitting(values: list[int], fits) -> int | None:
     return low
 
 
-
-
-def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float | None = None,
-         trials: Trials | None = None) -> Plan:
+def plan(
+    cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float | None = None, trials: Trials | None = None
+) -> Plan:
     from finetune.training import schedules
 
     key, unit, total, values = candidates(cfg, ranks)
@@ -151,8 +155,9 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
     if trials.on_gpu:
         index = largest_fitting(values, lambda v: measure(v) <= limit)
         predicted = measured
-        how = (f"{len(measured)} trial steps on {trials.device} at the longest row ({longest} tokens), "
-               f"candidates {values}")
+        how = (
+            f"{len(measured)} trial steps on {trials.device} at the longest row ({longest} tokens), candidates {values}"
+        )
     else:
         # A CPU out-of-memory cannot be caught: trials run while the line through the points so far says they are
         # well within the limit, and stay small; the line, refitted over all of them, predicts the rest.
@@ -160,8 +165,9 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
         for value in values:
             fixed, per_token = fit_line(points) if points else (0.0, 0.0)
             tokens = trials.tokens(value)
-            if len(points) >= 2 and (max(before) + ddp + fixed + per_token * tokens > SAFE_TRIAL * limit
-                                     or tokens > CPU_TRIAL_TOKENS):
+            if len(points) >= 2 and (
+                max(before) + ddp + fixed + per_token * tokens > SAFE_TRIAL * limit or tokens > CPU_TRIAL_TOKENS
+            ):
                 break
             points[tokens] = measure(value) - ddp - before[-1]
             if measured[value] > limit:
@@ -170,8 +176,10 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
         fixed = max(before) + ddp + step  # model, optimizer state, gradients, libraries: what every step starts from
         predicted = {v: fixed + per_token * trials.tokens(v) for v in values}
         index = largest_fitting(values, lambda v: predicted[v] <= limit)
-        how = (f"cpu, {len(points)} trial steps at the longest row ({longest} tokens), RSS + peak tensor bytes: "
-               f"{fixed / GIB:.2f} GiB + {per_token / 2**20:.3f} MiB per token, candidates {values}")
+        how = (
+            f"cpu, {len(points)} trial steps at the longest row ({longest} tokens), RSS + peak tensor bytes: "
+            f"{fixed / GIB:.2f} GiB + {per_token / 2**20:.3f} MiB per token, candidates {values}"
+        )
     if index is None:
         first = values[0]
         raise RecipeError(
@@ -182,11 +190,30 @@ def plan(cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float 
         )
     value = values[index]
     lr = schedules.scaled_lr(cfg.optim.lr, total, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
-    lr_text = f"{lr:g}" + (f" ({cfg.optim.lr_scaling} rule from {cfg.optim.lr:g} at base {cfg.optim.base_batch_size})"
-                           if cfg.optim.lr_scaling != "none" else " (no scaling rule; the global batch is kept)")
+    lr_text = f"{lr:g}" + (
+        f" ({cfg.optim.lr_scaling} rule from {cfg.optim.lr:g} at base {cfg.optim.base_batch_size})"
+        if cfg.optim.lr_scaling != "none"
+        else " (no scaling rule; the global batch is kept)"
+    )
     eval_bytes, eval_text = eval_memory(trials, ddp, limit, limit_text)
-    return Plan(key, value, total // (value * ranks), ranks, total, unit, max(predicted[value], eval_bytes), limit,
-                limit_text, lr, lr_text, how, measured, predicted, eval_bytes, eval_text)
+    return Plan(
+        key,
+        value,
+        total // (value * ranks),
+        ranks,
+        total,
+        unit,
+        max(predicted[value], eval_bytes),
+        limit,
+        limit_text,
+        lr,
+        lr_text,
+        how,
+        measured,
+        predicted,
+        eval_bytes,
+        eval_text,
+    )
 
 
 def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tuple[float, str]:
@@ -208,9 +235,11 @@ def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tu
             + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower eval.micro_batch_size or "
             "eval.max_tokens_per_micro_batch"
         )
-    return expected, (f"micro-batch of {rows} rows ({tokens} tokens of the longest eval row), no gradients: expected "
-                      f"peak {expected / GIB:.2f} GiB per rank, measured; generate KV cache {cache / 2**20:.1f} MiB "
-                      f"({cache_tokens} tokens of the longest sample prompt + eval.max_new_tokens)")
+    return expected, (
+        f"micro-batch of {rows} rows ({tokens} tokens of the longest eval row), no gradients: expected "
+        f"peak {expected / GIB:.2f} GiB per rank, measured; generate KV cache {cache / 2**20:.1f} MiB "
+        f"({cache_tokens} tokens of the longest sample prompt + eval.max_new_tokens)"
+    )
 
 
 def resolve_auto_micro_batch(cfg: Config) -> None:
@@ -222,8 +251,10 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
     from finetune.training import distributed, reporting
 
     if distributed.uses_deepspeed() or distributed.uses_fsdp():
-        raise RecipeError("train.micro_batch_size=auto plans memory with whole models (one process or DDP); under "
-                          "DeepSpeed or FSDP set train.micro_batch_size to a number")
+        raise RecipeError(
+            "train.micro_batch_size=auto plans memory with whole models (one process or DDP); under "
+            "DeepSpeed or FSDP set train.micro_batch_size to a number"
+        )
     ranks = env.world_size()
     result = plan(cfg, ranks)
     choice = result.value
@@ -236,8 +267,10 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     accumulation = result.global_batch // (choice * ranks)
-    reporting.main_print(f"train.micro_batch_size=auto → {choice} (accumulation {accumulation}; expected peak "
-                         f"{result.peak_bytes / GIB:.2f} GiB of a {result.limit_bytes / GIB:.2f} GiB limit)")
+    reporting.main_print(
+        f"train.micro_batch_size=auto → {choice} (accumulation {accumulation}; expected peak "
+        f"{result.peak_bytes / GIB:.2f} GiB of a {result.limit_bytes / GIB:.2f} GiB limit)"
+    )
     cfg.train.micro_batch_size = choice
 
 

@@ -90,11 +90,15 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             trainer = self.trainer
             trainable = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
             if any(hasattr(p, "full_tensor") for _, p in trainable):
-                raise RecipeError("finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
-                                  "not FSDP (the gradient math is the same)")
+                raise RecipeError(
+                    "finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
+                    "not FSDP (the gradient math is the same)"
+                )
             if all(p.grad is None for _, p in trainable):
-                raise RecipeError("no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
-                                  "its engine); run finetune.verify with DDP or one process")
+                raise RecipeError(
+                    "no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
+                    "its engine); run finetune.verify with DDP or one process"
+                )
             # Under fp16 the gradients are unscaled already: the Trainer's _get_grad_norm runs before this hook and
             # unscales through accelerate's clip_grad_norm_ even without clipping (max_grad_norm=0 clips at inf).
             keep = lambda t: t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)  # noqa
@@ -107,8 +111,9 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             if is_main_process():
                 params = {n: p.detach().to("cpu", copy=True) for n, p in trainable}
                 norm = recorder.norms[-1] if args.max_grad_norm > 0 else None
-                recorder.captures.append({"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1,
-                                          "norm": norm})
+                recorder.captures.append(
+                    {"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1, "norm": norm}
+                )
             else:
                 recorder.captures.append({})
 
@@ -119,8 +124,12 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
     class RecordingTrainer(base):
         def __init__(self, *args, data_collator=None, callbacks=None, **kwargs):
             kept = [c for c in callbacks or [] if not isinstance(c, ProgressCallback)]
-            super().__init__(*args, data_collator=recorder.recording(data_collator),
-                             callbacks=[*kept, GradientCapture(self)], **kwargs)
+            super().__init__(
+                *args,
+                data_collator=recorder.recording(data_collator),
+                callbacks=[*kept, GradientCapture(self)],
+                **kwargs,
+            )
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             samples, count = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -164,8 +173,10 @@ def reference_placement(model, trainable: int):
             # weights + gradients, and a quarter again for one sequence's activations
             if (total + trainable) * (8 if dtype == torch.float64 else 4) * 1.25 <= free:
                 return dtype, where
-    raise RecipeError(f"the float32 reference model ({(total + trainable) * 4 / 2**30:.1f} GiB with gradients) fits "
-                      "neither the accelerator nor the free RAM; verify a smaller model or free memory")
+    raise RecipeError(
+        f"the float32 reference model ({(total + trainable) * 4 / 2**30:.1f} GiB with gradients) fits "
+        "neither the accelerator nor the free RAM; verify a smaller model or free memory"
+    )
 
 
 def reference_gradient(model, micro_batches: list[list[dict]], inputs_of, dtype, device, keep_parts: bool):
@@ -193,8 +204,9 @@ def reference_gradient(model, micro_batches: list[list[dict]], inputs_of, dtype,
             (sequence_loss / targets_total).backward()  # one sequence at a time: the gradients add up
             loss_sum += float(sequence_loss.detach())
         if keep_parts:  # this micro-batch's share: the running sum now minus before
-            now = {n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape)
-                   for n, p in trainable.items()}
+            now = {
+                n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape) for n, p in trainable.items()
+            }
             parts.append({n: g - previous[n] if previous else g for n, g in now.items()})
             previous = now
     grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}

@@ -86,7 +86,6 @@ def tolerance_for(cfg: Config) -> tuple[float, str]:
     return TOLERANCES[precision], precision
 
 
-
 def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     """Train `steps` optimizer steps of the recipe and check each; the checks on rank 0, [] elsewhere."""
     import gc
@@ -124,8 +123,11 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
         """One row alone as the model takes it (images included), no labels: the recipe's collator on one row pads
         nothing and packs nothing."""
         batch = recorder.collate([[row]] if is_budgeted(cfg.data) else [row])
-        return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-                for k, v in batch.items() if k != "labels" and isinstance(v, torch.Tensor)}
+        return {
+            k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+            for k, v in batch.items()
+            if k != "labels" and isinstance(v, torch.Tensor)
+        }
 
     checks = []
     for capture_k in recorder.captures:
@@ -158,16 +160,22 @@ def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int
     for c in checks:
         clip = f", clipped ×{c.clip:.3g}" if c.clip < 1 else ""
         logged = f", logged {c.logged_loss:.6g}" if c.logged_loss is not None else ""
-        lines.append(f"step {c.step}: {c.rows} sequences, {c.label_tokens} target tokens from {ranks} "
-                     f"rank{'s' if ranks != 1 else ''}{clip}; reference loss {c.reference_loss:.6g}{logged}")
+        lines.append(
+            f"step {c.step}: {c.rows} sequences, {c.label_tokens} target tokens from {ranks} "
+            f"rank{'s' if ranks != 1 else ''}{clip}; reference loss {c.reference_loss:.6g}{logged}"
+        )
         if c.norms:
-            lines.append(f"  gradient norm before clipping: trainer {c.norms[0]:.6g}, reference {c.norms[1]:.6g} "
-                         f"(relative difference {abs(c.norms[0] - c.norms[1]) / max(c.norms[1], 1e-30):.1e})")
+            lines.append(
+                f"  gradient norm before clipping: trainer {c.norms[0]:.6g}, reference {c.norms[1]:.6g} "
+                f"(relative difference {abs(c.norms[0] - c.norms[1]) / max(c.norms[1], 1e-30):.1e})"
+            )
         lines.append(f"  relative error {c.error:.2e}  (tolerance {tolerance:g}, {precision})")
         if c.weights is not None:
             shown = " ".join(f"{w:.6f}" for w in c.weights[:16]) + (" …" if len(c.weights) > 16 else "")
-            lines.append(f"  micro-batch weights (1: each target token counts once): {shown}  (largest deviation "
-                         f"{weight_deviation(c):.1e}, tolerance {weight_tolerance:g})")
+            lines.append(
+                f"  micro-batch weights (1: each target token counts once): {shown}  (largest deviation "
+                f"{weight_deviation(c):.1e}, tolerance {weight_tolerance:g})"
+            )
         width = max(len(g) for g in c.groups)
         for group, (error, norm) in c.groups.items():
             mark = "  <-- above tolerance" if error > tolerance else ""
@@ -175,9 +183,11 @@ def report(checks: list[StepCheck], tolerance: float, precision: str, ranks: int
     worst = max(c.error for c in checks)
     worst_weight = max(weight_deviation(c) for c in checks)
     passed = worst <= tolerance and worst_weight <= weight_tolerance
-    lines.append(f"verify: {'PASS' if passed else 'FAIL'}: largest relative error {worst:.2e} (tolerance "
-                 f"{tolerance:g}), largest micro-batch weight deviation {worst_weight:.1e} (tolerance "
-                 f"{weight_tolerance:g}) over {len(checks)} step{'s' if len(checks) != 1 else ''}, {precision}")
+    lines.append(
+        f"verify: {'PASS' if passed else 'FAIL'}: largest relative error {worst:.2e} (tolerance "
+        f"{tolerance:g}), largest micro-batch weight deviation {worst_weight:.1e} (tolerance "
+        f"{weight_tolerance:g}) over {len(checks)} step{'s' if len(checks) != 1 else ''}, {precision}"
+    )
     return "\n".join(lines), passed
 
 

@@ -56,8 +56,10 @@ def check_whole(folder: str) -> None:
     """RecipeError naming every damaged file of the checkpoint train.resume_from names."""
     problems = damaged(folder)
     if problems:
-        raise RecipeError(f"train.resume_from={folder} is damaged: {'; '.join(problems)}; resume from an earlier "
-                          "checkpoint-N (or auto), or start fresh in another train.output_dir")
+        raise RecipeError(
+            f"train.resume_from={folder} is damaged: {'; '.join(problems)}; resume from an earlier "
+            "checkpoint-N (or auto), or start fresh in another train.output_dir"
+        )
 
 
 def newest_whole(found: list[tuple[int, str]], output_dir: str) -> str | None:
@@ -72,6 +74,8 @@ def newest_whole(found: list[tuple[int, str]], output_dir: str) -> str | None:
             return path
         skipped.append(f"{path} is damaged ({', '.join(problems)})")
     if skipped:
-        raise RecipeError(f"train.resume_from=auto: every checkpoint in {output_dir} is damaged ({'; '.join(skipped)})"
-                          "; remove them, or start fresh in another train.output_dir")
+        raise RecipeError(
+            f"train.resume_from=auto: every checkpoint in {output_dir} is damaged ({'; '.join(skipped)})"
+            "; remove them, or start fresh in another train.output_dir"
+        )
     return None

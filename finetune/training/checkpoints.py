@@ -91,8 +91,10 @@ def resume_path(train: TrainConfig) -> str | None:
     if not os.path.isdir(resume):
         raise RecipeError(f"train.resume_from={resume}: no such checkpoint folder; give a checkpoint-N folder or auto")
     if not is_complete(resume):
-        raise RecipeError(f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or "
-                          "trainer_state.json); give a checkpoint-N folder written by finetune, or auto")
+        raise RecipeError(
+            f"train.resume_from={resume}: not a complete checkpoint (no {STATE_FILE} or "
+            "trainer_state.json); give a checkpoint-N folder written by finetune, or auto"
+        )
     checkpoint_files.check_whole(resume)  # every damaged file named, before anything loads
     return resume
 
@@ -199,8 +201,13 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "cpu": torch.random.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -278,8 +285,11 @@ def rng_file(world_size: int, process_index: int) -> str:
 def restore_rng_state(checkpoint: str, file_name: str) -> None:
     file = os.path.join(checkpoint, file_name)
     if not os.path.isfile(file):
-        print(f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
-              "another number of ranks?)", file=sys.stderr)
+        print(
+            f"warning: {file} not found: random number generators are not restored (a checkpoint written with "
+            "another number of ranks?)",
+            file=sys.stderr,
+        )
         return
     load_rng_state(file)
 

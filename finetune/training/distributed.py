@@ -128,13 +128,13 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
                 same = False
             if not same:
                 problems.append(
-                    f"DeepSpeed {key}={value} in {where} disagrees with the recipe's {recipe_text}; set it to \"auto\" "
+                    f'DeepSpeed {key}={value} in {where} disagrees with the recipe\'s {recipe_text}; set it to "auto" '
                     "(or remove it) so the recipe decides"
                 )
         for key, recipe_keys in (("optimizer", "optim.*"), ("scheduler", "schedule.*")):
             if key in values:
                 problems.append(
-                    f"{where} has a DeepSpeed \"{key}\" section, which would replace the recipe's {recipe_keys}; "
+                    f'{where} has a DeepSpeed "{key}" section, which would replace the recipe\'s {recipe_keys}; '
                     f"remove the section and set {recipe_keys} in the recipe"
                 )
         for key, precision in (("bf16", "bf16"), ("fp16", "fp16")):
@@ -145,7 +145,7 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
             if bool(enabled) != (cfg.train.precision == precision):
                 problems.append(
                     f"DeepSpeed {key}.enabled={str(enabled).lower()} in {where} disagrees with the recipe's "
-                    f"train.precision={cfg.train.precision}; set it to \"auto\" so the recipe decides"
+                    f'train.precision={cfg.train.precision}; set it to "auto" so the recipe decides'
                 )
     return problems
 
@@ -229,8 +229,11 @@ def reduce_in_fp32(plugin=None) -> None:
 
     if policy.param_dtype in (torch.bfloat16, torch.float16) and policy.reduce_dtype != torch.float32:
         plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype, reduce_dtype=torch.float32, output_dtype=policy.output_dtype,
-            cast_forward_inputs=policy.cast_forward_inputs)
+            param_dtype=policy.param_dtype,
+            reduce_dtype=torch.float32,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
 
 
 def callbacks() -> list:

@@ -39,7 +39,9 @@ BEST_FILE = "best.json"
 # measured, not reproducible: to the console and W&B, not to trainer_state.json (as meter.TIMING_KEYS for steps)
 EVAL_TIMING_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_tokens_per_s")
 EVAL_FIELDS = [  # (log key, label, format) of the console line per evaluation
-    ("eval_loss", "loss", "{:.4f}"), ("eval_perplexity", "ppl", "{:.2f}"), ("eval_label_tokens", "targets", "{:,.0f}"),
+    ("eval_loss", "loss", "{:.4f}"),
+    ("eval_perplexity", "ppl", "{:.2f}"),
+    ("eval_label_tokens", "targets", "{:,.0f}"),
     ("eval_tokens_per_s", "tok/s", "{:.0f}"),
 ]
 
@@ -141,17 +143,25 @@ def summary(trainer) -> dict:
     first, last = evals[0], evals[-1]
     lowest = min(evals, key=lambda e: e["eval_loss"])
     figures = {
-        "eval_loss_first": first["eval_loss"], "eval_first_step": first["step"], "eval_loss": last["eval_loss"],
-        "eval_step": last["step"], "eval_perplexity": perplexity(last["eval_loss"]),
-        "eval_label_tokens": last.get("eval_label_tokens"), "evaluations": len(evals),
+        "eval_loss_first": first["eval_loss"],
+        "eval_first_step": first["step"],
+        "eval_loss": last["eval_loss"],
+        "eval_step": last["step"],
+        "eval_perplexity": perplexity(last["eval_loss"]),
+        "eval_label_tokens": last.get("eval_label_tokens"),
+        "evaluations": len(evals),
         "eval_tokens_per_s": trainer.eval_speeds[-1] if getattr(trainer, "eval_speeds", None) else None,
-        "eval_loss_lowest": lowest["eval_loss"], "eval_lowest_step": lowest["step"],
+        "eval_loss_lowest": lowest["eval_loss"],
+        "eval_lowest_step": lowest["step"],
     }
     setup = getattr(trainer, "eval_setup", None)
     best = os.path.join(trainer.args.output_dir, BEST)
     if setup is not None and setup.keep_best and trainer.state.best_global_step and os.path.isdir(best):
-        figures.update(best_step=trainer.state.best_global_step, best_eval_loss=trainer.state.best_metric,
-                       best_model=os.path.abspath(best))
+        figures.update(
+            best_step=trainer.state.best_global_step,
+            best_eval_loss=trainer.state.best_metric,
+            best_model=os.path.abspath(best),
+        )
     stopper = next((c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)), None)
     if stopper is not None and stopper.early_stopping_patience_counter >= stopper.early_stopping_patience:
         figures["stopped_early_at"] = trainer.state.global_step
@@ -164,14 +174,26 @@ def summary_rows(figures: dict) -> list[tuple[str, str]]:
         return []
     first, last = figures["eval_loss_first"], figures["eval_loss"]
     change = f", {(last - first) / first:+.1%}" if first else ""
-    rows = [("eval loss", f"{first:.4f} at step {figures['eval_first_step']} → {last:.4f} at step "
-                          f"{figures['eval_step']}{change} ({figures['evaluations']} evaluations)"),
-            ("eval perplexity", f"{figures['eval_perplexity']:.2f}"),
-            ("eval targets", f"{figures['eval_label_tokens'] or 0:,}" + (
-                f" at {figures['eval_tokens_per_s']:.0f} tokens/s" if figures["eval_tokens_per_s"] else ""))]
+    rows = [
+        (
+            "eval loss",
+            f"{first:.4f} at step {figures['eval_first_step']} → {last:.4f} at step "
+            f"{figures['eval_step']}{change} ({figures['evaluations']} evaluations)",
+        ),
+        ("eval perplexity", f"{figures['eval_perplexity']:.2f}"),
+        (
+            "eval targets",
+            f"{figures['eval_label_tokens'] or 0:,}"
+            + (f" at {figures['eval_tokens_per_s']:.0f} tokens/s" if figures["eval_tokens_per_s"] else ""),
+        ),
+    ]
     if "best_model" in figures:
-        rows.append(("best model", f"step {figures['best_step']} (eval loss {figures['best_eval_loss']:.4f}): "
-                                   f"{figures['best_model']}"))
+        rows.append(
+            (
+                "best model",
+                f"step {figures['best_step']} (eval loss {figures['best_eval_loss']:.4f}): {figures['best_model']}",
+            )
+        )
     else:
         rows.append(("lowest eval loss", f"{figures['eval_loss_lowest']:.4f} at step {figures['eval_lowest_step']}"))
     if "stopped_early_at" in figures:

@@ -68,8 +68,10 @@ def start_line(train: TrainConfig, resume: str | None) -> str | None:
         return f"resuming from {resume}"
     found = checkpoints_in(train.output_dir)
     if found and train.resume_from is None:
-        return (f"note: {train.output_dir} holds checkpoints up to checkpoint-{found[-1][0]}; starting fresh and "
-                "overwriting them (train.resume_from=auto continues from the newest)")
+        return (
+            f"note: {train.output_dir} holds checkpoints up to checkpoint-{found[-1][0]}; starting fresh and "
+            "overwriting them (train.resume_from=auto continues from the newest)"
+        )
     return None
 
 
@@ -143,8 +145,12 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
         if is_main_process():
-            print(f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
-                  "(Ctrl-C again stops without saving)", file=sys.stderr, flush=True)
+            print(
+                f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
+                "(Ctrl-C again stops without saving)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def requested(self) -> bool:

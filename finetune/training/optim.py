@@ -51,13 +51,19 @@ def param_groups(model: nn.Module, cfg: OptimConfig, lr: float) -> list[dict]:
             factor = lr_multiplier(name, cfg.lr_multipliers)
             group = groups.setdefault(
                 (exempt, factor),
-                {"params": [], "names": [], "lr": lr * factor, "weight_decay": 0.0 if exempt else cfg.weight_decay,
-                 "trust_ratio": not exempt},
+                {
+                    "params": [],
+                    "names": [],
+                    "lr": lr * factor,
+                    "weight_decay": 0.0 if exempt else cfg.weight_decay,
+                    "trust_ratio": not exempt,
+                },
             )
             group["params"].append(param)
             group["names"].append(name)
-    unmatched = [p for p in cfg.lr_multipliers if not any(matches_prefix(n, p) for g in groups.values()
-                                                        for n in g["names"])]
+    unmatched = [
+        p for p in cfg.lr_multipliers if not any(matches_prefix(n, p) for g in groups.values() for n in g["names"])
+    ]
     if unmatched:
         raise RecipeError(
             f"optim.lr_multipliers: '{unmatched[0]}' matches no trainable parameter; use a module-name prefix "
@@ -74,8 +80,9 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return torch._foreach_norm(tensors, 2, dtype=dtype)
 
 
-def _trust_ratio(weight_norms: list[torch.Tensor], other_norms: list[torch.Tensor], numerator_coef: float,
-                 decay: float) -> torch.Tensor:
+def _trust_ratio(
+    weight_norms: list[torch.Tensor], other_norms: list[torch.Tensor], numerator_coef: float, decay: float
+) -> torch.Tensor:
     """coef·‖w‖ / (‖x‖ + decay·‖w‖) per tensor, and 1 where either norm is zero (a zero-initialized weight moves)."""
     w, x = torch.stack(weight_norms), torch.stack(other_norms)
     ratio = numerator_coef * w / (x + decay * w)
@@ -125,10 +132,18 @@ class LAMB(_LayerwiseOptimizer):
 
     state_keys = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 trust_ratio: bool = True):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      trust_ratio=trust_ratio))
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        trust_ratio: bool = True,
+    ):
+        super().__init__(
+            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, trust_ratio=trust_ratio)
+        )
 
     def _update(self, group, params, grads, states):
         beta1, beta2 = group["betas"]
@@ -165,10 +180,25 @@ class LARS(_LayerwiseOptimizer):
 
     state_keys = ("momentum_buffer",)
 
-    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, trust_ratio: bool = True):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, trust_ratio=trust_ratio))
+    def __init__(
+        self,
+        params,
+        lr: float = 1.0,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        trust_ratio: bool = True,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                trust_coefficient=trust_coefficient,
+                trust_ratio=trust_ratio,
+            ),
+        )
 
     def _update(self, group, params, grads, states):
         lr, decay = group["lr"], group["weight_decay"]
@@ -180,8 +210,7 @@ class LARS(_LayerwiseOptimizer):
             if decay:
                 torch._foreach_add_(buffers, params, alpha=lr * decay)
         else:
-            local_lr = _trust_ratio(_norms(params), _norms(grads),
-                                    group["trust_coefficient"], decay)
+            local_lr = _trust_ratio(_norms(params), _norms(grads), group["trust_coefficient"], decay)
             torch._foreach_addcmul_(buffers, grads, (local_lr * lr).unbind())
             if decay:
                 torch._foreach_addcmul_(buffers, params, (local_lr * (lr * decay)).unbind())

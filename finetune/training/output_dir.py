@@ -34,9 +34,20 @@ LOCK = ".lock"
 FINAL_SET = ".final_set.json"  # in a final set: the names of its files and folders
 CARRIED = ".carried.json"  # in the sibling while the save moves entries into it: their names
 # Files a final save writes (also of older versions, which kept no FINAL_SET): without FINAL_SET, these are the old set
-MODEL_FILES = ("config.json", "generation_config.json", "trainer_state.json", "recipe.yaml", "training_args.bin",
-               "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "added_tokens.json",
-               "preprocessor_config.json", "processor_config.json", "merges.txt")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "trainer_state.json",
+    "recipe.yaml",
+    "training_args.bin",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "merges.txt",
+)
 MODEL_PREFIXES = ("model", "pytorch_model", "adapter_", "tokenizer", "vocab")
 
 
@@ -68,8 +79,10 @@ class OutputLock:
                     file.seek(0)
                     holder = file.read().strip() or "another process"
                     file.close()
-                    raise RecipeError(f"train.output_dir={self.output_dir} is in use by another run ({holder}); wait "
-                                      "for it to end, or choose another train.output_dir") from None
+                    raise RecipeError(
+                        f"train.output_dir={self.output_dir} is in use by another run ({holder}); wait "
+                        "for it to end, or choose another train.output_dir"
+                    ) from None
                 # the holder before us may have removed the file after we opened it: lock the file that is there now
                 if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(file.fileno()).st_ino:
                     break
@@ -81,8 +94,9 @@ class OutputLock:
             self.file = file
         except OSError as e:
             self._remove_made()
-            raise RecipeError(f"train.output_dir={self.output_dir}: cannot write there ({e.strerror or e}); choose a "
-                              "writable folder") from None
+            raise RecipeError(
+                f"train.output_dir={self.output_dir}: cannot write there ({e.strerror or e}); choose a writable folder"
+            ) from None
 
     def adopt(self, file) -> None:
         """After the final save's exchange, the lock file of the new folder (locked already) is the one held."""
@@ -121,8 +135,10 @@ def claimed(output_dir: str):
     _held[key] = lock
     try:
         if os.path.ismount(key):
-            raise RecipeError(f"train.output_dir={output_dir} is a mount point; the final save swaps the folder with "
-                              "a sibling, so choose a folder inside it")
+            raise RecipeError(
+                f"train.output_dir={output_dir} is a mount point; the final save swaps the folder with "
+                "a sibling, so choose a folder inside it"
+            )
         if line := recover(output_dir):
             print(line, flush=True)
         yield
@@ -135,8 +151,9 @@ def _final_names(out: Path) -> set[str]:
     """The names of the final set in `out`: as its FINAL_SET says, else the files a final save writes."""
     with contextlib.suppress(OSError, ValueError):
         return set(json.loads((out / FINAL_SET).read_text()))
-    return {p.name for p in out.iterdir() if p.is_file() and (p.name in MODEL_FILES or p.name.startswith(
-        MODEL_PREFIXES))}
+    return {
+        p.name for p in out.iterdir() if p.is_file() and (p.name in MODEL_FILES or p.name.startswith(MODEL_PREFIXES))
+    }
 
 
 def _exchange(a: Path, b: Path) -> None:
@@ -202,5 +219,6 @@ def recover(output_dir: str) -> str | None:
     shutil.rmtree(parked, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.remove(out / CARRIED)
-    return (f"note: {output_dir}: a final save was interrupted; cleaned up"
-            + (f" ({len(moved)} entries moved back: {', '.join(moved[:4])})" if moved else ""))
+    return f"note: {output_dir}: a final save was interrupted; cleaned up" + (
+        f" ({len(moved)} entries moved back: {', '.join(moved[:4])})" if moved else ""
+    )

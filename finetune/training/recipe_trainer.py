@@ -54,9 +54,18 @@ class RecipeTrainer(TokenNormTrainer):
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
     """
 
-    def __init__(self, *args, optim_config, schedule_config, peak_lr: float, on_nonfinite: str = "skip",
-                 stop_request=None, data_order_change: str = "error",
-                 eval_setup: evaluation.EvalSetup | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        optim_config,
+        schedule_config,
+        peak_lr: float,
+        on_nonfinite: str = "skip",
+        stop_request=None,
+        data_order_change: str = "error",
+        eval_setup: evaluation.EvalSetup | None = None,
+        **kwargs,
+    ):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
@@ -110,8 +119,10 @@ class RecipeTrainer(TokenNormTrainer):
                 checkpoints.restore_rng_state(checkpoint, self._rng_file())
             except (RuntimeError, ValueError, KeyError, EOFError) as e:  # a damaged file, which the size check missed
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise RecipeError(f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
-                                  "from an earlier checkpoint-N") from None
+                raise RecipeError(
+                    f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
+                    "from an earlier checkpoint-N"
+                ) from None
 
     def _issue_warnings_after_load(self, load_result) -> None:
         # a tied head (lm_head.weight, embed_tokens.weight) is saved once: not a missing key of the checkpoint
@@ -127,8 +138,10 @@ class RecipeTrainer(TokenNormTrainer):
         except (ValueError, RuntimeError, KeyError) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "zip archive" in why or "PytorchStreamReader" in why:  # the file itself, not the recipe
-                raise RecipeError(f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "
-                                  f"({why}); resume from an earlier checkpoint-N") from None
+                raise RecipeError(
+                    f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "
+                    f"({why}); resume from an earlier checkpoint-N"
+                ) from None
             raise RecipeError(
                 f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
                 "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
@@ -152,8 +165,10 @@ class RecipeTrainer(TokenNormTrainer):
                 "train.resume_data_order_change=allow to continue anyway"
             )
         if changed:
-            logger.warning(f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
-                           "wrote the checkpoint")
+            logger.warning(
+                f"resuming with {', '.join(changed)}: the data order and position differ from the run that "
+                "wrote the checkpoint"
+            )
 
     def _data_position(self) -> dict:
         return resume_checks.data_position(self)  # len() of a stream: it has none
@@ -175,8 +190,12 @@ class RecipeTrainer(TokenNormTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.decides_before_backward() and model.training and torch.is_grad_enabled() and \
-                self.accelerator.sync_gradients:  # the window's last micro-batch, before its backward
+        if (
+            self.decides_before_backward()
+            and model.training
+            and torch.is_grad_enabled()
+            and self.accelerator.sync_gradients
+        ):  # the window's last micro-batch, before its backward
             loss = result[0] if return_outputs else result
             stop = self.stop_request is not None and self.stop_request.requested
             flags = torch.tensor([not bool(torch.isfinite(loss).all() & self._window_finite), stop], dtype=torch.int32)
@@ -273,8 +292,9 @@ class RecipeTrainer(TokenNormTrainer):
 
         if self.optimizer is None:
             target = model if model is not None else self.model
-            self.optimizer = build_optimizer(target, self.optim_config, self.peak_lr,
-                                             grad_scaled=self.accelerator.scaler is not None)
+            self.optimizer = build_optimizer(
+                target, self.optim_config, self.peak_lr, grad_scaled=self.accelerator.scaler is not None
+            )
         return super().create_optimizer(model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

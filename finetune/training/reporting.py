@@ -83,15 +83,23 @@ def configure_wandb(cfg: Config) -> None:
     online without a key or an answering service is a RecipeError (nothing is written); auto falls back to offline
     with one warning when it has a key but no answer."""
     if cfg.log.wandb_mode == "online" and not has_wandb_key():
-        raise RecipeError("log.wandb_mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`); log in, or set "
-                          "log.wandb_mode=offline (upload later with `wandb sync`)")
+        raise RecipeError(
+            "log.wandb_mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`); log in, or set "
+            "log.wandb_mode=offline (upload later with `wandb sync`)"
+        )
     if cfg.log.wandb_mode in ("online", "auto") and has_wandb_key() and (why := wandb_answer(wandb_url())):
         if cfg.log.wandb_mode == "online":
-            raise RecipeError(f"log.wandb_mode=online: the W&B service {why}; check the network (or "
-                              "WANDB_BASE_URL), or set log.wandb_mode=offline (upload later with `wandb sync`)")
+            raise RecipeError(
+                f"log.wandb_mode=online: the W&B service {why}; check the network (or "
+                "WANDB_BASE_URL), or set log.wandb_mode=offline (upload later with `wandb sync`)"
+            )
         if is_main_process():
-            print(f"warning: log.wandb_mode=auto: the W&B service {why}; logging offline (upload later with "
-                  "`wandb sync`)", file=sys.stderr, flush=True)
+            print(
+                f"warning: log.wandb_mode=auto: the W&B service {why}; logging offline (upload later with "
+                "`wandb sync`)",
+                file=sys.stderr,
+                flush=True,
+            )
     mode = wandb_mode(cfg)
     os.environ["WANDB_MODE"] = mode
     if mode == "disabled":
@@ -120,9 +128,14 @@ class StepCountCheck(TrainerCallback):
 
 
 STEP_FIELDS = [  # (log key, label, format) of the one console line per logged optimizer step
-    ("loss", "loss", "{:.4f}"), ("learning_rate", "lr", "{:.3g}"), ("grad_norm", "grad_norm", "{:.3g}"),
-    ("window_label_tokens", "targets", "{:.0f}"), ("real_tokens_per_s", "tok/s", "{:.0f}"),
-    ("padding_efficiency", "real", "{:.0%}"), ("mfu", "mfu", "{:.1%}"), ("peak_mem_mb", "mem", "{:.0f} MB"),
+    ("loss", "loss", "{:.4f}"),
+    ("learning_rate", "lr", "{:.3g}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("window_label_tokens", "targets", "{:.0f}"),
+    ("real_tokens_per_s", "tok/s", "{:.0f}"),
+    ("padding_efficiency", "real", "{:.0%}"),
+    ("mfu", "mfu", "{:.1%}"),
+    ("peak_mem_mb", "mem", "{:.0f} MB"),
 ]
 
 
@@ -228,7 +241,9 @@ class ProfileSteps(TrainerCallback):
             with open(stem + ".txt", "w") as f:
                 f.write(self.profiler.key_averages().table(sort_by=sort, row_limit=40))
             self.profiler.export_chrome_trace(stem + ".trace.json")
-            main_print(f"profile of steps {self.first}-{self.last}: {stem}.txt and {stem}.trace.json (chrome://tracing)")
+            main_print(
+                f"profile of steps {self.first}-{self.last}: {stem}.txt and {stem}.trace.json (chrome://tracing)"
+            )
         self.profiler = None
 
 

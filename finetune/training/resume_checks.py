@@ -26,11 +26,14 @@ from finetune.training.schedules import peak_lr
 STREAM = "stream"  # dataset_items of a streamed run
 
 # What each entry of a checkpoint's data position comes from, in recipe keys
-DATA_POSITION_KEYS = {"dataset_items": "data.source/data.limit", "seed": "train.seed", "ranks": "the number of ranks",
-                      "micro_batches_per_step": "train.global_batch_size (or global_batch_tokens)",
-                      "items_per_micro_batch": "train.micro_batch_size",
-                      "data_fingerprint": "data.source (its rows as read differ: the file was rewritten, or another "
-                                          "one named)"}
+DATA_POSITION_KEYS = {
+    "dataset_items": "data.source/data.limit",
+    "seed": "train.seed",
+    "ranks": "the number of ranks",
+    "micro_batches_per_step": "train.global_batch_size (or global_batch_tokens)",
+    "items_per_micro_batch": "train.micro_batch_size",
+    "data_fingerprint": "data.source (its rows as read differ: the file was rewritten, or another one named)",
+}
 STREAM_FINGERPRINT_ROWS = 1024  # a stream's fingerprint: its first rows in the source's order
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a memo: a dataset's rows never change
 
@@ -62,8 +65,11 @@ def data_fingerprint(dataset) -> str | None:
     if dataset in _fingerprints:
         return _fingerprints[dataset]
     digest = hashlib.blake2b(digest_size=8)
-    if hasattr(dataset, "data") and hasattr(dataset, "column_names") and {"input_ids", "labels"} <= set(
-            dataset.column_names):
+    if (
+        hasattr(dataset, "data")
+        and hasattr(dataset, "column_names")
+        and {"input_ids", "labels"} <= set(dataset.column_names)
+    ):
         table = dataset.flatten_indices().data if getattr(dataset, "_indices", None) is not None else dataset.data
         for name in ("input_ids", "labels"):
             digest.update(b"".join(_array_digest(table.column(name))))
@@ -81,10 +87,14 @@ def data_position(trainer) -> dict:
     """The figures that fix where in the data global_step × accumulation micro-batches lead."""
     dataset = trainer.train_dataset
     args = trainer.args
-    return {"dataset_items": len(dataset) if has_length(dataset) else STREAM, "seed": args.seed,
-            "ranks": args.world_size, "micro_batches_per_step": args.gradient_accumulation_steps,
-            "items_per_micro_batch": args.per_device_train_batch_size,
-            "data_fingerprint": data_fingerprint(dataset)}
+    return {
+        "dataset_items": len(dataset) if has_length(dataset) else STREAM,
+        "seed": args.seed,
+        "ranks": args.world_size,
+        "micro_batches_per_step": args.gradient_accumulation_steps,
+        "items_per_micro_batch": args.per_device_train_batch_size,
+        "data_fingerprint": data_fingerprint(dataset),
+    }
 
 
 def _differ(saved: dict, now: dict) -> list[str]:
@@ -111,15 +121,50 @@ HISTORY = "# resumed at optimizer step "  # recipe.yaml's first lines: what chan
 # data: other rows, refused unless train.resume_data_order_change=allow; applied: the optimizer and scheduler take
 # the new value from the next step, with one warning; anything else (model, optimizer, precision) is refused.
 KEY_RULES = (
-    ("free", ("recipe", "train.output_dir", "train.resume_from", "train.save_steps", "train.save_total_limit",
-              "train.resume_data_order_change", "train.on_nonfinite", "train.profile_steps",
-              "train.gradient_checkpointing", "train.sync_each_batch", "log.", "eval.", "data.num_workers",
-              "model.attn_implementation", "model.trust_remote_code")),
-    ("position", ("train.seed", "train.micro_batch_size", "train.global_batch_size", "train.global_batch_tokens",
-                  "data.source", "data.limit")),
+    (
+        "free",
+        (
+            "recipe",
+            "train.output_dir",
+            "train.resume_from",
+            "train.save_steps",
+            "train.save_total_limit",
+            "train.resume_data_order_change",
+            "train.on_nonfinite",
+            "train.profile_steps",
+            "train.gradient_checkpointing",
+            "train.sync_each_batch",
+            "log.",
+            "eval.",
+            "data.num_workers",
+            "model.attn_implementation",
+            "model.trust_remote_code",
+        ),
+    ),
+    (
+        "position",
+        (
+            "train.seed",
+            "train.micro_batch_size",
+            "train.global_batch_size",
+            "train.global_batch_tokens",
+            "data.source",
+            "data.limit",
+        ),
+    ),
     ("data", ("data.",)),
-    ("applied", ("optim.lr", "optim.lr_scaling", "optim.base_batch_size", "schedule.", "train.max_steps",
-                 "train.epochs", "train.max_grad_norm")),
+    (
+        "applied",
+        (
+            "optim.lr",
+            "optim.lr_scaling",
+            "optim.base_batch_size",
+            "schedule.",
+            "train.max_steps",
+            "train.epochs",
+            "train.max_grad_norm",
+        ),
+    ),
 )
 
 
@@ -182,27 +227,35 @@ class RecipeRecord(TrainerCallback):
         if by_rule.get("refused"):
             (key, old, new), more = by_rule["refused"][0], len(by_rule["refused"]) - 1
             others = f" (and {more} other keys)" if more else ""
-            raise RecipeError(f"train.resume_from: {checkpoint} was trained with {key}={old}, this run has {key}={new}"
-                              f"{others}; resume with the recipe that wrote it, or start fresh in another "
-                              "train.output_dir")
+            raise RecipeError(
+                f"train.resume_from: {checkpoint} was trained with {key}={old}, this run has {key}={new}"
+                f"{others}; resume with the recipe that wrote it, or start fresh in another "
+                "train.output_dir"
+            )
         if by_rule.get("data") and self.cfg.train.resume_data_order_change != "allow":
             key, old, new = by_rule["data"][0]
-            raise RecipeError(f"train.resume_from: {checkpoint} was trained with {key}={old}, this run has {key}={new} "
-                              "(other rows); set it as that run had it, or set train.resume_data_order_change=allow")
+            raise RecipeError(
+                f"train.resume_from: {checkpoint} was trained with {key}={old}, this run has {key}={new} "
+                "(other rows); set it as that run had it, or set train.resume_data_order_change=allow"
+            )
         applied = by_rule.get("applied", [])
         cycle = [a for a in applied if not a[0].startswith("train.max_grad_norm")]
         if cycle and "onecycle" in (saved_cfg.schedule.name, self.cfg.schedule.name):
-            raise RecipeError(f"train.resume_from: resuming with {cycle[0][0]}={cycle[0][2]} (was {cycle[0][1]})"
-                              " under schedule.name=onecycle, whose cycle the checkpoint holds; resume with the recipe "
-                              "that wrote it")
+            raise RecipeError(
+                f"train.resume_from: resuming with {cycle[0][0]}={cycle[0][2]} (was {cycle[0][1]})"
+                " under schedule.name=onecycle, whose cycle the checkpoint holds; resume with the recipe "
+                "that wrote it"
+            )
         changed = [f"{key} {old} → {new}" for key, old, new in applied + by_rule.get("data", [])]
         if not changed:
             return None
         self.lr_ratio = peak_lr(self.cfg) / peak_lr(saved_cfg)
         self.history.append(f"{HISTORY}{step}: {', '.join(changed)}\n")
-        return (f"warning: resuming with {', '.join(changed)}: applied from optimizer step {step + 1} (the "
-                f"optimizer and scheduler take them; steps 1-{step} trained with the recorded values, and recipe.yaml "
-                "says so)")
+        return (
+            f"warning: resuming with {', '.join(changed)}: applied from optimizer step {step + 1} (the "
+            f"optimizer and scheduler take them; steps 1-{step} trained with the recorded values, and recipe.yaml "
+            "says so)"
+        )
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if self.lr_ratio is None or not hasattr(lr_scheduler, "lr_lambdas") or optimizer is None:

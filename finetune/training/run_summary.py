@@ -22,8 +22,11 @@ def whole_run_loss(log_history: list[dict], global_step: int, start_step: int, t
         last = entry["step"]
     if last == global_step:  # every step is in a logged interval
         return total / global_step if global_step else None
-    before = sum(e["loss"] * (e["step"] - p) for e, p in zip(logged, [0] + [e["step"] for e in logged])
-                 if e["step"] <= start_step)
+    before = sum(
+        e["loss"] * (e["step"] - p)
+        for e, p in zip(logged, [0] + [e["step"] for e in logged])
+        if e["step"] <= start_step
+    )
     return (before + this_process * (global_step - start_step)) / global_step if global_step else None
 
 
@@ -32,8 +35,9 @@ def record_whole_run_loss(trainer, start_step: int) -> None:
     train_loss instead of this process's share."""
     end = next((e for e in reversed(trainer.state.log_history) if "train_loss" in e), None)
     if end is not None:
-        end["train_loss"] = whole_run_loss(trainer.state.log_history, trainer.state.global_step, start_step,
-                                           end["train_loss"])
+        end["train_loss"] = whole_run_loss(
+            trainer.state.log_history, trainer.state.global_step, start_step, end["train_loss"]
+        )
 
 
 def summary(cfg: Config, trainer, start_step: int = 0) -> dict:
@@ -66,8 +70,12 @@ def print_summary(cfg: Config, trainer, figures: dict) -> None:
         ("wall time", f"{figures['wall_time_s']:.1f} s{this}" if figures["wall_time_s"] else "n/a"),
         ("tokens/s", f"{figures['real_tokens_per_s']:.0f}" if figures["real_tokens_per_s"] else "n/a"),
         ("final loss", f"{figures['final_loss']:.4f}" if figures["final_loss"] is not None else "n/a"),
-        ("train loss", f"{figures['train_loss']:.4f} (mean over all {figures['optimizer_steps']} steps)"
-         if figures["train_loss"] is not None else "n/a"),
+        (
+            "train loss",
+            f"{figures['train_loss']:.4f} (mean over all {figures['optimizer_steps']} steps)"
+            if figures["train_loss"] is not None
+            else "n/a",
+        ),
         ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
         *evaluation.summary_rows(figures),
         ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),

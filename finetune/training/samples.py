@@ -37,8 +37,16 @@ def generate(model, processing_class, prompts: list, max_new_tokens: int, same_l
 
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, use_cache=True,
-                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if same_length else None)
+    config.update(
+        do_sample=False,
+        num_beams=1,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        use_cache=True,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens if same_length else None,
+    )
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ends = _end_ids(config, tokenizer)
@@ -49,8 +57,10 @@ def generate(model, processing_class, prompts: list, max_new_tokens: int, same_l
     try:
         with torch.no_grad():
             for prompt in prompts:
-                inputs = {k: v.to(parameter.device, parameter.dtype if v.is_floating_point() else v.dtype)
-                          for k, v in prompt.inputs.items()}
+                inputs = {
+                    k: v.to(parameter.device, parameter.dtype if v.is_floating_point() else v.dtype)
+                    for k, v in prompt.inputs.items()
+                }
                 new = model.generate(**inputs, generation_config=config)[0, inputs["input_ids"].shape[1] :].tolist()
                 stop = next((i for i, token in enumerate(new) if token in ends), len(new))
                 outputs.append(tokenizer.decode(new[:stop], skip_special_tokens=True).strip())
@@ -66,8 +76,9 @@ def log_table(rows: list[list], step: int) -> None:
     wandb = sys.modules.get("wandb")
     if wandb is None or getattr(wandb, "run", None) is None:
         return
-    wandb.run.log({"eval/samples": wandb.Table(columns=COLUMNS, data=[list(r) for r in rows]),
-                   "train/global_step": step})
+    wandb.run.log(
+        {"eval/samples": wandb.Table(columns=COLUMNS, data=[list(r) for r in rows]), "train/global_step": step}
+    )
 
 
 class GenerateSamples(TrainerCallback):

@@ -45,8 +45,10 @@ def check_schedule(total_steps: int, cfg: ScheduleConfig) -> None:
         return
     warmup = warmup_steps(total_steps, cfg)
     if warmup >= total_steps:
-        key = f"schedule.warmup_steps={cfg.warmup_steps}" if cfg.warmup_steps > 0 else (
-            f"schedule.warmup_ratio={cfg.warmup_ratio} ({warmup} steps)"
+        key = (
+            f"schedule.warmup_steps={cfg.warmup_steps}"
+            if cfg.warmup_steps > 0
+            else (f"schedule.warmup_ratio={cfg.warmup_ratio} ({warmup} steps)")
         )
         raise RecipeError(
             f"{key} is not below the run's {total_steps} optimizer steps; lower it (or raise train.max_steps / "
@@ -86,9 +88,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Sch
     if cfg.name == "onecycle":
         # torch's own OneCycleLR. cycle_momentum=False: the recipe's optim.betas / optim.momentum are kept as set.
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=[group["lr"] for group in optimizer.param_groups], total_steps=total_steps,
-            pct_start=cfg.pct_start, anneal_strategy=cfg.anneal, div_factor=cfg.div_factor,
-            final_div_factor=cfg.final_div_factor, cycle_momentum=False,
+            optimizer,
+            max_lr=[group["lr"] for group in optimizer.param_groups],
+            total_steps=total_steps,
+            pct_start=cfg.pct_start,
+            anneal_strategy=cfg.anneal,
+            div_factor=cfg.div_factor,
+            final_div_factor=cfg.final_div_factor,
+            cycle_momentum=False,
         )
     if cfg.name in ("warmup_cosine", "linear", "constant"):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
@@ -117,8 +124,15 @@ def format_lr(lr: float) -> str:
 
 
 def describe_batch_and_lr(
-    micro: int | str, accumulation: int, ranks: int, lr: float, scaled: float, rule: str, base: int | None,
-    global_batch: int, unit: str = "sequences",
+    micro: int | str,
+    accumulation: int,
+    ranks: int,
+    lr: float,
+    scaled: float,
+    rule: str,
+    base: int | None,
+    global_batch: int,
+    unit: str = "sequences",
 ) -> str:
     """The start-up line, e.g.
     `effective batch 1024 sequences = micro 8 × accumulation 16 × 8 ranks; lr 1e-4 → 4e-4 (linear rule, base 256)`.
@@ -149,6 +163,15 @@ def startup_line(cfg: Config, ranks: int, accumulation: int, total_steps: int) -
     """`describe_batch_and_lr` for a recipe, with the run's optimizer steps."""
     global_batch, unit = global_batch_of(cfg)
     micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if unit == "tokens" else cfg.train.micro_batch_size
-    line = describe_batch_and_lr(micro, accumulation, ranks, cfg.optim.lr, peak_lr(cfg), cfg.optim.lr_scaling,
-                                 cfg.optim.base_batch_size, global_batch, unit)
+    line = describe_batch_and_lr(
+        micro,
+        accumulation,
+        ranks,
+        cfg.optim.lr,
+        peak_lr(cfg),
+        cfg.optim.lr_scaling,
+        cfg.optim.base_batch_size,
+        global_batch,
+        unit,
+    )
     return f"{line}; {total_steps} optimizer steps"

@@ -45,5 +45,7 @@ def write_error(output_dir: str, what: str, failure: WriteFailure) -> RecipeErro
     if code is None:
         code, guessed = why_writes_fail(output_dir), True
     why = f"{failure.why}: {os.strerror(code)}" if guessed and code is not None else failure.why
-    return RecipeError(f"train.output_dir={output_dir}: writing {what} failed ({why}); {write_advice(code)} "
-                       "(nothing half-written was left there)")
+    return RecipeError(
+        f"train.output_dir={output_dir}: writing {what} failed ({why}); {write_advice(code)} "
+        "(nothing half-written was left there)"
+    )

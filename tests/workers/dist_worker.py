@@ -13,8 +13,11 @@ def main(out: str, micro: int, accumulation: int, rows: int, seed: int) -> None:
     snapshots = SnapshotCallback()
     collator = RecordingCollator()
     trainer = TokenNormTrainer(
-        model=tiny_llama(), args=sgd_args(out + ".trainer", micro, accumulation), train_dataset=ragged_rows(rows, seed),
-        data_collator=collator, callbacks=[snapshots],
+        model=tiny_llama(),
+        args=sgd_args(out + ".trainer", micro, accumulation),
+        train_dataset=ragged_rows(rows, seed),
+        data_collator=collator,
+        callbacks=[snapshots],
     )
     trainer.train()
     rank = trainer.args.process_index

@@ -13,8 +13,12 @@ def main(out: str, trainer_dir: str) -> None:
     rows = ragged_rows(23, seed=9, min_len=4, max_len=48)  # as tests/test_evaluation.eval_rows()
     model, results = tiny_llama(), {}
     for batch in (1, 3, 7):
-        trainer = TokenNormTrainer(model=model, args=sgd_args(trainer_dir, 1, 1, per_device_eval_batch_size=batch),
-                                   eval_dataset=rows, data_collator=RecordingCollator())
+        trainer = TokenNormTrainer(
+            model=model,
+            args=sgd_args(trainer_dir, 1, 1, per_device_eval_batch_size=batch),
+            eval_dataset=rows,
+            data_collator=RecordingCollator(),
+        )
         metrics = trainer.evaluate()
         results[batch] = [metrics["eval_loss"], metrics["eval_label_tokens"]]
     if trainer.args.process_index == 0:

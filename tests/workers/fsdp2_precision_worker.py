@@ -20,9 +20,12 @@ MICRO_BATCHES, WIDTH = 16, 64
 def model_and_batches(rank: int, dtype=torch.float32):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH))
-    batches = [torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(100 * r + k))
-               for r in range(dist.get_world_size()) for k in range(MICRO_BATCHES)]
-    return model.to(dtype), batches[rank * MICRO_BATCHES:(rank + 1) * MICRO_BATCHES], batches
+    batches = [
+        torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(100 * r + k))
+        for r in range(dist.get_world_size())
+        for k in range(MICRO_BATCHES)
+    ]
+    return model.to(dtype), batches[rank * MICRO_BATCHES : (rank + 1) * MICRO_BATCHES], batches
 
 
 def window_gradient(policy) -> dict:
@@ -51,8 +54,10 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     plugin.set_mixed_precision("bf16")  # what accelerate gives a bf16 run
-    results = {"default": window_gradient(plugin.mixed_precision_policy),
-               "default_reduce_dtype": str(plugin.mixed_precision_policy.reduce_dtype)}
+    results = {
+        "default": window_gradient(plugin.mixed_precision_policy),
+        "default_reduce_dtype": str(plugin.mixed_precision_policy.reduce_dtype),
+    }
     reduce_in_fp32(plugin)
     results["fp32_reduce"] = window_gradient(plugin.mixed_precision_policy)
     results["fp32_reduce_dtype"] = str(plugin.mixed_precision_policy.reduce_dtype)

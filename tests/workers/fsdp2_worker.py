@@ -91,11 +91,15 @@ def trainer_window(rows, folder: str, out: str, max_norm: float, sync_each_batch
     model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=2))
     snapshots, collator = FullSnapshots(), RecordingCollator()
     args = sgd_args(
-        out, MICRO, ACCUMULATION, max_grad_norm=max_norm,
+        out,
+        MICRO,
+        ACCUMULATION,
+        max_grad_norm=max_norm,
         accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch}},
     )
-    trainer = TokenNormTrainer(model=model, args=args, train_dataset=rows, data_collator=collator,
-                               callbacks=[snapshots])
+    trainer = TokenNormTrainer(
+        model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[snapshots]
+    )
     trainer.train()
     before, after = snapshots.snapshots[0], snapshots.snapshots[1]
     rank_tokens = sum(sum(t != -100 for t in r["labels"][1:]) for b in collator.batches for r in b)
@@ -123,8 +127,9 @@ def main(out: str, folder: str, rows: int, seed: int, max_norm: float) -> None:
     results = {}
     for sync_each_batch in (False, True):
         results[("torch", sync_each_batch)] = torch_window(data, max_norm, sync_each_batch)
-        results[("trainer", sync_each_batch)] = trainer_window(data, folder, f"{out}.trainer", max_norm,
-                                                               sync_each_batch)
+        results[("trainer", sync_each_batch)] = trainer_window(
+            data, folder, f"{out}.trainer", max_norm, sync_each_batch
+        )
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()

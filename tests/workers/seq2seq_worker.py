@@ -18,11 +18,21 @@ def main(out: str, trainer_dir: str) -> None:
     model, results = tiny_t5(), {}
     for batch in (1, 3, 7):
         seen, stock_seen = MetricInputs(), MetricInputs()
-        trainer = TokenNormSeq2SeqTrainer(model=model, args=generating_args(trainer_dir, batch), eval_dataset=rows,
-                                          data_collator=PadEachCollator(), compute_metrics=seen)
+        trainer = TokenNormSeq2SeqTrainer(
+            model=model,
+            args=generating_args(trainer_dir, batch),
+            eval_dataset=rows,
+            data_collator=PadEachCollator(),
+            compute_metrics=seen,
+        )
         metrics = trainer.evaluate()
-        Seq2SeqTrainer(model=model, args=generating_args(trainer_dir, batch), eval_dataset=rows,
-                       data_collator=PadEachCollator(), compute_metrics=stock_seen).evaluate()
+        Seq2SeqTrainer(
+            model=model,
+            args=generating_args(trainer_dir, batch),
+            eval_dataset=rows,
+            data_collator=PadEachCollator(),
+            compute_metrics=stock_seen,
+        ).evaluate()
         same = bool((seen.seen[0][0] == stock_seen.seen[0][0]).all())
         results[batch] = [metrics["eval_loss"], metrics["eval_label_tokens"], same]
     if trainer.args.process_index == 0:
