@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.recipe import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError, first_line
 
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 GZIP_KINDS = ("jsonl", "json", "csv")  # read through gzip when the name ends in .gz
@@ -148,7 +148,7 @@ def open_data(path: Path):
 
 
 def read_error(path: Path, error: Exception) -> RecipeError:
-    why = getattr(error, "strerror", None) or (str(error).splitlines()[0] if str(error) else type(error).__name__)
+    why = getattr(error, "strerror", None) or (first_line(error))
     return RecipeError(f"{path}: cannot read it ({why}); check the file and its permissions")
 
 
@@ -209,7 +209,7 @@ def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Recor
         try:
             table = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:
-            raise RecipeError(f"{path}: cannot read as {kind} ({str(e).splitlines()[0] if str(e) else e!r})") from None
+            raise RecipeError(f"{path}: cannot read as {kind} ({first_line(e)})") from None
         return _take(table.select(range(_room(data, report, len(table)))).to_list(), f"{path} row", data, report, out)
     try:
         with open_data(path) as f:
@@ -321,7 +321,7 @@ def read_records(data: DataConfig, report: DataReport) -> list[Record]:
     try:
         table = datasets.load_dataset(source, split=data.split)
     except Exception as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         raise RecipeError(
             f"data.source={source}: neither a local path nor a reachable hub dataset (split {data.split}: {why})"
         ) from None

@@ -36,7 +36,7 @@ from finetune.data.sources import (
     reject_row,
 )
 from finetune.data.text import blank_tokens, char_limit, detect_format, fit_row, row_labels, row_strings
-from finetune.recipe import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError, first_line
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
 SHUFFLE_BUFFER = 1024  # rows shuffled together: a random order within a window of the stream, as streams do
@@ -63,7 +63,7 @@ def _file_records(path: Path, data: DataConfig, report: DataReport) -> Iterator[
         try:
             parquet = pq.ParquetFile(path)
         except Exception as e:  # pyarrow's errors for a file that is not parquet (ArrowInvalid, OSError)
-            raise RecipeError(f"{path}: cannot read as parquet ({str(e).splitlines()[0] if str(e) else e!r})") from None
+            raise RecipeError(f"{path}: cannot read as parquet ({first_line(e)})") from None
         rows = (row for batch in parquet.iter_batches(batch_size=1024) for row in batch.to_pylist())
         yield from _numbered(rows, path, report)
         return
@@ -92,7 +92,7 @@ def _hub_records(data: DataConfig, report: DataReport) -> Iterator[Record]:
     try:
         table = datasets.load_dataset(data.source, split=data.split, streaming=True)
     except Exception as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         raise RecipeError(
             f"data.source={data.source}: neither a local path nor a reachable hub dataset (split {data.split}: {why})"
         ) from None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.labels import IGNORE_INDEX, target_count
-from finetune.recipe import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError, first_line
 
 COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 CHAT_ROLES = ("system", "user", "assistant")
@@ -163,7 +163,7 @@ def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's raise_exception: e.g. roles that do not alternate
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         raise BadRow(f"the chat template refuses it ({why})") from None
 
 

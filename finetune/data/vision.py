@@ -26,7 +26,7 @@ import torch
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.data.text import CHAT_ROLES, blank_tokens, check_text, check_turns, detect_format, render_chat, row_labels
 from finetune.labels import IGNORE_INDEX, target_count
-from finetune.recipe import DataConfig, RecipeError
+from finetune.recipe import DataConfig, RecipeError, first_line
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
 IMAGE_TOKEN_NAMES = (
@@ -66,7 +66,7 @@ def open_image(ref: Any, base: Path | None = None):
         with Image.open(source) as image:
             return image.convert("RGB")  # decodes now: a truncated or corrupt file fails here, naming its row
     except (OSError, ValueError, Image.DecompressionBombError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         raise BadRow(f"image {name} cannot be read ({why})") from None
 
 
@@ -169,7 +169,7 @@ def encode_row(processor, messages: list[dict], images: list, loss_on: str, blan
         try:
             out = processor(text=[text], images=images[:count] or None, add_special_tokens=False)
         except (ValueError, TypeError) as e:
-            raise BadRow(f"the processor refuses it ({str(e).splitlines()[0]})") from None
+            raise BadRow(f"the processor refuses it ({first_line(e)})") from None
         encoded.append(list(out["input_ids"][0]))
     return row_labels("messages", loss_on, encoded, blank)
 

@@ -12,6 +12,8 @@ import json
 import os
 import zipfile
 
+from finetune.recipe import first_line
+
 NEVER_LOADED = {"training_args.bin"}  # the Trainer's pickle: nothing loads it
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -46,7 +48,7 @@ def file_problem(path: str) -> str | None:
                 archive.infolist()
     except (ValueError, zipfile.BadZipFile) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         kind = "JSON" if name.endswith(".json") else "torch file"
-        return f"not a whole {kind} ({size:,} bytes; {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return f"not a whole {kind} ({size:,} bytes; {first_line(e)})"
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
     return None

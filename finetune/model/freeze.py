@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from finetune.recipe import ModelConfig, RecipeError
+from finetune.recipe import ModelConfig, RecipeError, first_line
 
 WRAPPERS = {"model", "base_model", "module", "_orig_mod"}  # names that wrap a whole model (VLMs, peft, DDP, compile)
 
@@ -70,7 +70,4 @@ def add_lora(model, cfg: ModelConfig):
     try:
         return get_peft_model(model, lora)
     except ValueError as e:  # peft's refusals: target modules that match nothing, or that LoRA cannot wrap
-        raise RecipeError(
-            f"model.lora.target_modules={list(cfg.lora.target_modules)}: "
-            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
+        raise RecipeError(f"model.lora.target_modules={list(cfg.lora.target_modules)}: {first_line(e)}") from None

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from finetune.env import cache_dir
 from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, folder_problems
 from finetune.model.freeze import add_lora, freeze
-from finetune.recipe import ModelConfig, RecipeError
+from finetune.recipe import ModelConfig, RecipeError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,7 +59,7 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
             dequantized = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         except (OSError, ValueError, KeyError) as e:  # a cut GGUF, or one of an architecture transformers cannot read
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = first_line(e)
             raise RecipeError(f"model.gguf_file={gguf_file}: cannot convert it ({why})") from None
         config = dequantized.config
         if hasattr(config, "quantization_config"):
@@ -137,7 +137,7 @@ def load_tokenizer(cfg: ModelConfig, folder: str):
     except (OSError, ValueError) as e:  # not there, unreachable, or files transformers cannot use
         raise RecipeError(
             f"model.name_or_path={cfg.name_or_path}: cannot load its tokenizer "
-            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); give a folder or hub id with "
+            f"({first_line(e)}); give a folder or hub id with "
             "tokenizer files"
         ) from None
     if tokenizer.pad_token is None:  # padding is masked from attention and loss; any id will do
@@ -167,11 +167,11 @@ def load_model(cfg: ModelConfig, folder: str):
         raise
     except OSError as e:
         raise RecipeError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load ({str(e).splitlines()[0]}); give a local folder, "
+            f"model.name_or_path={cfg.name_or_path}: cannot load ({first_line(e)}); give a local folder, "
             "a reachable hub id, or pkg:PACKAGE with model.gguf_file"
         ) from None
     except (ValueError, RuntimeError) as e:  # the recipe's settings refused (attn_implementation, overrides, dtype)
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         keys = "model.config_overrides, " if cfg.from_config else ""
         raise RecipeError(
             f"model.name_or_path={cfg.name_or_path}: the model cannot be built ({why}); check "

@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils import logging
 
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
+from finetune.recipe import first_line
 
 logger = logging.get_logger(__name__)
 
@@ -251,7 +252,7 @@ def probe_error(model) -> str | None:
                 model.config._attn_implementation = implementation
                 logits[implementation] = model(**batch).logits.float()
     except Exception as e:  # an architecture it does not fit: keep sdpa
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"{type(e).__name__}: {first_line(e)}"
     finally:
         model.config._attn_implementation = "sdpa"
         model.train(training)

@@ -15,7 +15,7 @@ from finetune.env import is_main_process
 from finetune.model.freeze import freeze
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
-from finetune.recipe import Config, ModelConfig, RecipeError
+from finetune.recipe import Config, ModelConfig, RecipeError, first_line
 
 SHAPES = "shapes_captions"
 
@@ -51,7 +51,7 @@ def load_processor(cfg: ModelConfig, folder: str):
     try:
         processor = AutoProcessor.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
-        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no processor ({str(e).splitlines()[0]})") from None
+        raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no processor ({first_line(e)})") from None
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise RecipeError(
             f"model.name_or_path={cfg.name_or_path}: {type(processor).__name__} is not an image+text processor"
@@ -79,7 +79,7 @@ def load_vlm(cfg: ModelConfig, folder: str, processor):
         )
     except (OSError, ValueError) as e:
         raise RecipeError(
-            f"model.name_or_path={cfg.name_or_path}: cannot load as an image+text model ({str(e).splitlines()[0]})"
+            f"model.name_or_path={cfg.name_or_path}: cannot load as an image+text model ({first_line(e)})"
         ) from None
     return prepare_vlm(model, cfg, processor)
 

@@ -23,6 +23,7 @@ from finetune.recipe.schema import (
     ScheduleConfig,
     TrainConfig,
     choice_error,
+    first_line,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "check_config",
     "choice_error",
     "evaluates",
+    "first_line",
     "is_budgeted",
     "load_config",
     "recipe_file",

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from finetune.recipe.checks import check_config
-from finetune.recipe.schema import OPEN_DICTS, Config, RecipeError
+from finetune.recipe.schema import OPEN_DICTS, Config, RecipeError, first_line
 from finetune.recipe.yaml_reader import parse_yaml, read_yaml_file
 
 BUILT_IN_RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # beside the package in a clone (editable install)
@@ -84,7 +84,7 @@ def _merge(schema: DictConfig, other: DictConfig, where: str) -> DictConfig:
             ) from None
         raise RecipeError(f"{where}: {e.full_key}={e.value!r} is not a valid {_type_name(e)}; fix the value") from None
     except OmegaConfBaseException as e:
-        raise RecipeError(f"{where}: {str(e).splitlines()[0]}") from None
+        raise RecipeError(f"{where}: {first_line(e)}") from None
 
 
 def _section_given_a_value(schema: DictConfig, other: Any, prefix: str = "") -> str | None:
@@ -103,7 +103,7 @@ def _section_given_a_value(schema: DictConfig, other: Any, prefix: str = "") -> 
 
 
 def _type_name(e: ValidationError) -> str:
-    msg = str(e).splitlines()[0]
+    msg = first_line(e)
     for word in ("Integer", "Float", "Boolean", "String"):
         if word in msg:
             names = {"Integer": "integer", "Float": "number", "Boolean": "boolean (true/false)", "String": "string"}

@@ -15,6 +15,12 @@ class RecipeError(ValueError):
     """A problem with the recipe or its inputs that the user can fix; printed as one line, exit code 2."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception worded for a user's one-line message: its first line, or its type's name when it has no text."""
+    text = str(error)
+    return text.splitlines()[0] if text.strip() else type(error).__name__
+
+
 def one_of(*choices: str, default: str | None = None) -> Any:
     """A key whose value is one of `choices` (default: the first)."""
     return field(default=choices[0] if default is None else default, metadata={"choices": choices})

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from finetune.recipe.schema import RecipeError
+from finetune.recipe.schema import RecipeError, first_line
 
 MAX_NODES = 20_000  # expanded nodes a recipe may hold: a real one has hundreds; aliases past this are a bomb
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -83,7 +83,7 @@ def parse_yaml(text: str, where: str) -> Any:
     try:
         loader = _RecipeLoader(text)  # its reader refuses characters YAML does not allow (control bytes, surrogates)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+        raise RecipeError(f"{where}: not valid YAML ({first_line(e)}); fix the file") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -96,7 +96,7 @@ def parse_yaml(text: str, where: str) -> Any:
             "would silently keep only the second, so merge them into one"
         ) from None
     except yaml.YAMLError as e:
-        raise RecipeError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+        raise RecipeError(f"{where}: not valid YAML ({first_line(e)}); fix the file") from None
     except RecursionError:
         raise RecipeError(f"{where}: nested too deeply to read; flatten it") from None
     finally:

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 
 from finetune.env import WRITE_ADVICE, is_main_process, rank, world_size, write_advice
-from finetune.recipe import RecipeError
+from finetune.recipe import RecipeError, first_line
 
 INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE: neither 1 (verify's failed check) nor 2 (the user's input)
 
@@ -68,7 +68,7 @@ DIST_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreEr
 
 def machine_fault(error: BaseException) -> str | None:
     """The `error:` line's message for a fault of the machine or a peer (every rank that meets one prints it)."""
-    first = str(error).splitlines()[0] if str(error) else ""
+    first = first_line(error)
     if type(error).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
         return (
             f"out of device memory ({first[:200]}); lower train.micro_batch_size (or set it to auto) or "

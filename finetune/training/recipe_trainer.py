@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from transformers import PrinterCallback
 from transformers.utils import logging
 
-from finetune.recipe import RecipeError
+from finetune.recipe import RecipeError, first_line
 from finetune.trainer import TokenNormTrainer
 from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
 
@@ -118,7 +118,7 @@ class RecipeTrainer(TokenNormTrainer):
             try:
                 checkpoints.restore_rng_state(checkpoint, self._rng_file())
             except (RuntimeError, ValueError, KeyError, EOFError) as e:  # a damaged file, which the size check missed
-                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                why = first_line(e)
                 raise RecipeError(
                     f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
                     "from an earlier checkpoint-N"
@@ -136,7 +136,7 @@ class RecipeTrainer(TokenNormTrainer):
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except (ValueError, RuntimeError, KeyError) as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = first_line(e)
             if "zip archive" in why or "PytorchStreamReader" in why:  # the file itself, not the recipe
                 raise RecipeError(
                     f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "

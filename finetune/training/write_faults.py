@@ -9,7 +9,7 @@ import os
 import re
 
 from finetune.env import why_writes_fail, write_advice
-from finetune.recipe import RecipeError
+from finetune.recipe import RecipeError, first_line
 
 
 @dataclasses.dataclass
@@ -31,7 +31,7 @@ def write_failure(error: BaseException, folder: str | None = None) -> WriteFailu
     removed: a full disk is no longer full then)."""
     if isinstance(error, OSError):
         return WriteFailure(error.strerror or type(error).__name__, error.errno)
-    first = str(error).splitlines()[0] if str(error) else ""
+    first = first_line(error)
     match = re.search(r"I/O error: (.+?)(?: \(os error (\d+)\))?$", first)
     if match:
         return WriteFailure(match.group(1), int(match.group(2)) if match.group(2) else None)
