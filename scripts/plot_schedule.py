@@ -22,11 +22,13 @@ def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
     from finetune.data import batching
     from finetune.data.text import load_sft_dataset
     from finetune.model.loading import load_tokenizer, model_folder
+    from finetune.recipe import training_batching
 
     tokenizer = load_tokenizer(cfg.model, model_folder(cfg.model))
     dataset, report = load_sft_dataset(cfg.data, tokenizer)
     print(f"data: {report.summary()}")
-    return batching.count_optimizer_steps(cfg, batching.prepare(cfg, dataset, tokenizer), ranks, accumulation)
+    batches = batching.prepare(training_batching(cfg), dataset, tokenizer, cfg.train.seed)
+    return batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
 
 
 def plot(lrs: list[float], title: str, out: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe import Config, RecipeError, load_config
-from finetune.recipe.checks import bounds_text
+from finetune.recipe.bounds import bounds_text
 from finetune.recipe.yaml_reader import MAX_NODES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from finetune.data.heldout import QUESTION_MODULE, eval_groups, pad_for_ranks, split_records
 from finetune.data.sources import DataReport, read_records
-from finetune.recipe import DataConfig, load_config
+from finetune.recipe import Batching, DataConfig, load_config
 from finetune.tools import train
 from tests.reference import reference_gradient
 from tests.test_data import chat, write_jsonl
@@ -68,17 +68,27 @@ def test_identical_rows_of_a_file_are_held_out_together():
 
 def test_eval_micro_batches_follow_the_batching_mode_and_pad_to_the_ranks_without_targets():
     lengths = [5, 3, 8, 2, 7]
-    assert eval_groups(lengths, DataConfig(batching="packed"), 2, 0) == [[0, 1], [2, 3], [4]]
-    assert eval_groups(lengths, DataConfig(batching="length_grouped"), 2, 0) == [[2, 4], [0, 1], [3]]
-    budget = eval_groups(lengths, DataConfig(batching="token_budget", max_tokens_per_micro_batch=10), 8, 0)
+    assert eval_groups(lengths, Batching("packed", 2, None), 0) == [[0, 1], [2, 3], [4]]
+    assert eval_groups(lengths, Batching("length_grouped", 2, None), 0) == [[2, 4], [0, 1], [3]]
+    budget = eval_groups(lengths, Batching("token_budget", 8, 10), 0)
     assert sorted(i for g in budget for i in g) == [0, 1, 2, 3, 4]
     assert all(len(g) * max(lengths[i] for i in g) <= 10 for g in budget)
     rows = [{"input_ids": list(range(n)), "labels": list(range(n))} for n in lengths]
-    groups = eval_groups(lengths, DataConfig(batching="padded"), 2, 0)
+    groups = eval_groups(lengths, Batching("padded", 2, None), 0)
     pad_for_ranks(rows, groups, 2)
     assert groups == [[0, 1], [2, 3], [4], [5]] and rows[5] == {"input_ids": [0, 1], "labels": [-100, -100]}
     pad_for_ranks(rows, groups, 2)
     assert len(groups) == 4  # already a multiple
+
+
+def test_eval_fraction_0_alone_turns_evaluation_off_and_says_which_keys_it_ignores(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["train.max_steps=1", "eval.fraction=0", "eval.every_steps=5", "eval.samples=0", "eval.limit=4"]
+    assert train.main([*DEBUG, f"train.output_dir={out}", *args]) == 0
+    console = capsys.readouterr().out
+    note = "note: no eval set (eval.fraction=0, no eval.source): eval.every_steps, eval.limit, eval.samples ignored"
+    assert note in console.splitlines()
+    assert "eval:" not in console and "eval_loss" not in (out / "trainer_state.json").read_text()
 
 
 # ---- bad input: one line, exit code 2, nothing written ----
@@ -89,7 +99,6 @@ def test_eval_micro_batches_follow_the_batching_mode_and_pad_to_the_ranks_withou
     [
         (["eval.source=/nowhere/eval.jsonl"], "eval.source=/nowhere/eval.jsonl: no such file or folder"),
         (["eval.fraction=0.2", "eval.source=x.jsonl"], "set eval.source (a separate eval set) or eval.fraction"),
-        (["eval.every_steps=5"], "eval.every_steps needs an eval set: set eval.fraction"),
         (
             ["eval.fraction=0.2", "data.streaming=true", "data.source=x.jsonl"],
             "which data.streaming=true reads only as",
@@ -99,7 +108,7 @@ def test_eval_micro_batches_follow_the_batching_mode_and_pad_to_the_ranks_withou
         (["eval.fraction=0.2", "eval.batching=token_budget"], "eval.batching=token_budget needs eval.max_tokens_per"),
         (["eval.fraction=0.001"], "eval.fraction=0.001 of the 64 rows of data.source=stdlib_docs holds out no row"),
     ],
-    ids=["missing", "both", "no-set", "stream", "patience", "fraction", "budget", "too-small"],
+    ids=["missing", "both", "stream", "patience", "fraction", "budget", "too-small"],
 )
 def test_bad_eval_keys_are_one_line_exit_2_nothing_written(args, message, tmp_path, capsys):
     out = tmp_path / "out"

@@ -17,7 +17,7 @@ from finetune import TokenNormTrainer
 from finetune.data.batching import row_collator
 from finetune.model.packed_attention import PackedAttention, register
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
-from finetune.recipe import DataConfig
+from finetune.recipe import Batching
 from tests.reference import reference_gradient, relative_error
 from tests.test_trainer import model_at
 from tests.test_varlen_attention import per_sequence
@@ -121,7 +121,7 @@ def test_a_packed_bf16_model_runs_one_varlen_call_per_layer():
     rows = ragged_rows(12, seed=1, min_len=2, max_len=120)
     batch = {
         k: v.cuda() if isinstance(v, torch.Tensor) else v
-        for k, v in row_collator(DataConfig(batching="packed"), None)([dict(r) for r in rows]).items()
+        for k, v in row_collator(Batching("packed", 1, None), None)([dict(r) for r in rows]).items()
     }
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = {}
@@ -148,7 +148,7 @@ def train_packed(initial, attention_name: str, tmp_path):
     """Two optimizer steps of 2 micro-batches of 3 packed rows, bf16 autocast on CUDA, SGD lr 1."""
     model = copy.deepcopy(initial)
     model.config._attn_implementation = attention_name
-    collate, seen = row_collator(DataConfig(batching="packed"), None), []
+    collate, seen = row_collator(Batching("packed", 1, None), None), []
 
     def recording_collator(rows):
         seen.append([dict(r) for r in rows])

@@ -14,7 +14,7 @@ from finetune.data.batching import row_collator
 from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, PackedAttention
 from finetune.model.varlen_attention import VarlenKernel
-from finetune.recipe import DataConfig
+from finetune.recipe import Batching
 from tests.reference import reference_gradient, relative_error
 from tests.test_packed_attention import alone_logits, rows_with_short_ones, tiny_mha, with_attention
 from tests.test_trainer import model_at
@@ -93,7 +93,7 @@ def on_cpu_varlen(kernel, dtypes=(torch.float64,)) -> PackedAttention:
 
 
 def packed_batch(rows) -> dict:
-    return row_collator(DataConfig(batching="packed"), tokenizer=None)([dict(r) for r in rows])
+    return row_collator(Batching("packed", 1, None), tokenizer=None)([dict(r) for r in rows])
 
 
 def summed_loss(model, batch) -> torch.Tensor:
@@ -216,7 +216,7 @@ def test_packed_training_through_the_varlen_path_is_exact(tmp_path):
     on_cpu_varlen(kernel, dtypes=(torch.float32,))
     initial = with_attention(tiny_llama(), "eager")
     trained = with_attention(copy.deepcopy(initial), VARLEN_ON_CPU)
-    collate, seen = row_collator(DataConfig(batching="packed"), tokenizer=None), []
+    collate, seen = row_collator(Batching("packed", 1, None), tokenizer=None), []
 
     def recording(rows):
         seen.append([dict(r) for r in rows])

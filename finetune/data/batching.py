@@ -1,4 +1,5 @@
-"""How rows become micro-batches, for each `data.batching` mode, and how many optimizer steps that makes.
+"""How rows become micro-batches, for each batching mode (the table: finetune/recipe/batch_modes.py), and how many
+optimizer steps that makes.
 
 - padded / length_grouped: `train.micro_batch_size` rows per micro-batch, padded to the longest (length_grouped
   uses the Trainer's LengthGroupedSampler so rows of similar length share a micro-batch).
@@ -23,7 +24,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from finetune.labels import IGNORE_INDEX
-from finetune.recipe import Config, DataConfig, is_budgeted
+from finetune.recipe import Batching, TrainConfig
 
 # Rows are sorted by length in windows of about this many budgeted micro-batches before grouping: rows of a micro-batch
 # have similar lengths (little padding), and micro-batches still come from a random order of rows.
@@ -38,8 +39,8 @@ class Batches:
     group_by_length: bool = False
 
 
-def row_collator(data: DataConfig, tokenizer) -> Callable:
-    if data.batching == "packed":
+def row_collator(batching: Batching, tokenizer) -> Callable:
+    if batching.packs:
         # Each sequence's first label becomes IGNORE_INDEX so no target crosses a boundary; attention stays within each
         # sequence by the restarting position_ids: train.build switches sdpa to per-sequence sdpa
         # (finetune/model/packed_attention.py); others derive a block-diagonal mask from them (only without a KV
@@ -99,21 +100,22 @@ class MicroBatchCollator:
         return self.inner([row for item in items for row in item])
 
 
-def prepare(cfg: Config, dataset, tokenizer) -> Batches:
-    collator = row_collator(cfg.data, tokenizer)
-    if not is_budgeted(cfg.data):
-        return Batches(dataset, collator, cfg.train.micro_batch_size, cfg.data.batching == "length_grouped")
+def prepare(batching: Batching, dataset, tokenizer, seed: int) -> Batches:
+    """The training micro-batches: rows the Trainer samples `batching.rows_per_micro_batch` at a time, or (budgeted)
+    whole micro-batches formed here once, deterministic in `seed`."""
+    collator = row_collator(batching, tokenizer)
+    if not batching.budgeted:
+        return Batches(dataset, collator, batching.rows_per_micro_batch, batching.groups_by_length)
     rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
     lengths = [len(r["input_ids"]) for r in rows]
-    padded = cfg.data.batching == "token_budget"
-    groups = budget_groups(lengths, cfg.data.max_tokens_per_micro_batch, padded, cfg.train.seed)
+    groups = budget_groups(lengths, batching.max_tokens, batching.counts_padding, seed)
     return Batches(MicroBatches(rows, groups), MicroBatchCollator(collator), 1)
 
 
-def count_optimizer_steps(cfg: Config, batches: Batches, ranks: int, accumulation: int) -> int:
+def count_optimizer_steps(train: TrainConfig, batches: Batches, ranks: int, accumulation: int) -> int:
     """Optimizer steps of the run, counted as the Trainer counts them (the schedule's `total_steps`)."""
-    if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
+    if train.max_steps > 0:
+        return train.max_steps
     batches_per_rank = math.ceil(math.ceil(len(batches.dataset) / batches.per_device_batch_size) / ranks)
     steps_per_epoch = max(math.ceil(batches_per_rank / accumulation), 1)
-    return math.ceil(cfg.train.epochs * steps_per_epoch)
+    return math.ceil(train.epochs * steps_per_epoch)

@@ -31,7 +31,7 @@ from finetune.data.text import load_sft_dataset
 from finetune.data.vision import VisionCollator, load_vision_dataset, vision_records
 from finetune.env import world_size
 from finetune.labels import IGNORE_INDEX
-from finetune.recipe import Config, DataConfig, RecipeError, evaluates, is_budgeted
+from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, eval_batching
 
 QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json
 
@@ -114,18 +114,10 @@ def split_records(
 # ---- reading and checking the eval rows ----
 
 
-def eval_data(cfg: Config, source: str, split: str) -> DataConfig:
-    """The data keys the eval rows are read and batched with: data.* with the eval section's source, limit, batching."""
-    ev = cfg.eval
-    return dataclasses.replace(
-        cfg.data,
-        source=source,
-        split=split,
-        limit=ev.limit,
-        batching=ev.batching,
-        max_tokens_per_micro_batch=ev.max_tokens_per_micro_batch,
-        streaming=False,
-    )
+def eval_reading(ev: EvalConfig, data: DataConfig, source: str, split: str) -> DataConfig:
+    """The data keys the eval rows are read with: data.* (format, max_length, loss_on, …) with the eval set's source,
+    split and limit, never streamed. How they are batched is the eval section's own (recipe.eval_batching)."""
+    return dataclasses.replace(data, source=source, split=split, limit=ev.limit, streaming=False)
 
 
 @contextlib.contextmanager
@@ -158,13 +150,14 @@ def check_no_overlap(train, rows: list[dict], key: str) -> None:
 # ---- micro-batches ----
 
 
-def eval_groups(lengths: list[int], data: DataConfig, micro: int, seed: int) -> list[list[int]]:
-    """Row indices per eval micro-batch, as data.batching (here: eval.batching) forms training micro-batches."""
-    if is_budgeted(data):
-        return budget_groups(lengths, data.max_tokens_per_micro_batch, data.batching == "token_budget", seed)
+def eval_groups(lengths: list[int], batching: Batching, seed: int) -> list[list[int]]:
+    """Row indices per eval micro-batch, as training micro-batches are formed in the same mode."""
+    if batching.budgeted:
+        return budget_groups(lengths, batching.max_tokens, batching.counts_padding, seed)
     order = list(range(len(lengths)))
-    if data.batching == "length_grouped":
+    if batching.groups_by_length:
         order.sort(key=lambda i: -lengths[i])
+    micro = batching.rows_per_micro_batch
     return [order[k : k + micro] for k in range(0, len(order), micro)]
 
 
@@ -180,65 +173,75 @@ def pad_for_ranks(rows: list[dict], groups: list[list[int]], ranks: int) -> None
 # ---- the whole ----
 
 
-def load_datasets(cfg: Config, tokenizer, vision: bool) -> tuple[Any, DataReport, EvalSet | None]:
-    """(the training dataset, its DataReport, the eval set or None): what finetune.assemble.build trains and
-    evaluates on. `tokenizer` is the processor of a VLM recipe."""
-    data, ev = cfg.data, cfg.eval
-    load = load_vision_dataset if vision else load_sft_dataset
-    if data.streaming:
-        dataset, report = stream_sft_dataset(data, tokenizer, cfg.train.seed, endless=True)
-    elif ev.fraction:
-        read = DataReport(source=data.source)
-        records = vision_records(data, read) if vision else read_records(data, read)
-        if not records:
-            raise RecipeError(f"data.source={data.source}: no rows to read")
-        train_records, held, how = split_records(records, ev.fraction, cfg.train.seed, data.source)
-        dataset, report = load(data, tokenizer, records=train_records)
-    else:
-        dataset, report = load(data, tokenizer)
-    if not evaluates(cfg):
-        return dataset, report, None
+@dataclass
+class HeldOut:
+    records: list[Record]  # in a seeded order
+    how: str  # "N rows (M modules) held out of SOURCE"
 
-    if ev.fraction:
-        key, source, config = f"eval.fraction={ev.fraction:g}", data.source, eval_data(cfg, data.source, data.split)
-        records = held[: ev.limit] if ev.limit is not None else held
-    else:
-        key, source, config = f"eval.source={ev.source}", ev.source, eval_data(cfg, ev.source, ev.split)
-        how = f"eval.source={ev.source}"
-        with named(key, source):
-            read = DataReport(source=source)
-            records = vision_records(config, read) if vision else read_records(config, read)
+
+def load_training_set(data: DataConfig, fraction: float, seed: int, tokenizer, vision: bool):
+    """(the training dataset, its DataReport, the rows held out of it or None): data.source read, tokenized and
+    labelled, less the share `fraction` (eval.fraction) held out. `tokenizer` is the processor of a VLM recipe."""
+    if data.streaming:
+        dataset, report = stream_sft_dataset(data, tokenizer, seed, endless=True)
+        return dataset, report, None
+    load = load_vision_dataset if vision else load_sft_dataset
+    if not fraction:
+        return (*load(data, tokenizer), None)
+    read = DataReport(source=data.source)
+    records = vision_records(data, read) if vision else read_records(data, read)
+    if not records:
+        raise RecipeError(f"data.source={data.source}: no rows to read")
+    train_records, held, how = split_records(records, fraction, seed, data.source)
+    return (*load(data, tokenizer, records=train_records), HeldOut(held, how))
+
+
+def _eval_records(ev: EvalConfig, data: DataConfig, held: HeldOut | None, vision: bool):
+    """(the key that chose the eval rows, their source, the data keys they are read with, the raw rows, how)."""
+    if held is not None:
+        records = held.records[: ev.limit] if ev.limit is not None else held.records
+        return f"eval.fraction={ev.fraction:g}", data.source, eval_reading(ev, data, data.source, data.split), records
+    key, config = f"eval.source={ev.source}", eval_reading(ev, data, ev.source, ev.split)
+    with named(key, ev.source):
+        read = DataReport(source=ev.source)
+        return key, ev.source, config, vision_records(config, read) if vision else read_records(config, read)
+
+
+def load_eval_set(ev: EvalConfig, data: DataConfig, held: HeldOut | None, training, seed: int, tokenizer, vision: bool):
+    """The eval set: the rows held out of data.source (`held`) or eval.source's, read as training rows are, checked
+    against the `training` dataset, batched as the eval section says."""
+    key, source, config, records = _eval_records(ev, data, held, vision)
+    load = load_vision_dataset if vision else load_sft_dataset
     with named(key, source):
         if not records:
             raise RecipeError(f"data.source={source}: no rows to read")
         held_rows, eval_report = load(config, tokenizer, records=records)
     rows = held_rows.to_list()
     if not data.streaming:  # a stream is not known up front
-        check_no_overlap(dataset, rows, key)
+        check_no_overlap(training, rows, key)
     lengths = [len(r["input_ids"]) for r in rows]
-    groups = eval_groups(lengths, config, ev.micro_batch_size, cfg.train.seed)
+    batching = eval_batching(ev)
+    groups = eval_groups(lengths, batching, seed)
     count = len(groups)
     pad_for_ranks(rows, groups, world_size())
-    collator = MicroBatchCollator(row_collator(config, tokenizer.tokenizer if vision else tokenizer))
+    collator = MicroBatchCollator(row_collator(batching, tokenizer.tokenizer if vision else tokenizer))
     if vision:  # the image processor's tensors join each text batch
         collator = VisionCollator(collator, tokenizer)
-    used = f" ({len(records):,} of them: eval.limit)" if ev.fraction and ev.limit is not None else ""
+    how = held.how if held is not None else key
+    used = f" ({len(records):,} of them: eval.limit)" if held is not None and ev.limit is not None else ""
     when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
     summary = (
         f"eval: {how}{used}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
         f"{'es' if count != 1 else ''}; {when}"
     )
-    return (
+    dataset = MicroBatches(rows, groups)
+    return EvalSet(
         dataset,
-        report,
-        EvalSet(
-            MicroBatches(rows, groups),
-            collator,
-            records,
-            eval_report.format,
-            eval_report.rows_kept,
-            sum(lengths),
-            eval_report.target_tokens,
-            summary,
-        ),
+        collator,
+        records,
+        eval_report.format,
+        eval_report.rows_kept,
+        sum(lengths),
+        eval_report.target_tokens,
+        summary,
     )

@@ -7,7 +7,15 @@ library, PyYAML, OmegaConf and `finetune.env`: no torch, no transformers, so eve
 mistake in a second. Everything else in finetune may import it; it imports nothing else of finetune.
 """
 
-from finetune.recipe.checks import accumulation_steps, check_config, evaluates, is_budgeted
+from finetune.recipe.batch_modes import MODES, Batching
+from finetune.recipe.checks import (
+    accumulation_steps,
+    check_config,
+    eval_batching,
+    evaluates,
+    is_budgeted,
+    training_batching,
+)
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
 from finetune.recipe.schema import (
     CHOICES,
@@ -27,6 +35,10 @@ from finetune.recipe.schema import (
 )
 
 __all__ = [
+    "MODES",
+    "Batching",
+    "eval_batching",
+    "training_batching",
     "CHOICES",
     "OPEN_DICTS",
     "Config",

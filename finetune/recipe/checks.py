@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 from finetune import env
-from finetune.recipe.schema import CHOICES, Config, DataConfig, RecipeError, choice_error
-
-COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+from finetune.recipe.batch_modes import MODES, Batching
+from finetune.recipe.bounds import check_numbers
+from finetune.recipe.schema import CHOICES, Config, DataConfig, EvalConfig, RecipeError, choice_error
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -19,9 +17,21 @@ def _get(config: Config, dotted: str) -> Any:
     return value
 
 
+def training_batching(config: Config) -> Batching:
+    """How training rows become micro-batches: data.batching, train.micro_batch_size, data.max_tokens_per_micro_batch
+    (the recipe as loaded: resolve train.micro_batch_size=auto first)."""
+    data = config.data
+    return Batching(data.batching, config.train.micro_batch_size, data.max_tokens_per_micro_batch, "data")
+
+
+def eval_batching(ev: EvalConfig) -> Batching:
+    """How eval rows become micro-batches: eval.batching, eval.micro_batch_size, eval.max_tokens_per_micro_batch."""
+    return Batching(ev.batching, ev.micro_batch_size, ev.max_tokens_per_micro_batch, "eval")
+
+
 def is_budgeted(data: DataConfig) -> bool:
-    """Micro-batches filled up to `data.max_tokens_per_micro_batch` rather than a fixed row count."""
-    return data.batching == "token_budget" or (data.batching == "packed" and bool(data.max_tokens_per_micro_batch))
+    """Training micro-batches filled up to `data.max_tokens_per_micro_batch` rather than a fixed row count."""
+    return Batching(data.batching, 1, data.max_tokens_per_micro_batch).budgeted
 
 
 def evaluates(config: Config) -> bool:
@@ -65,76 +75,6 @@ def accumulation_steps(config: Config, ranks: int) -> int:
     return total // per_micro_step
 
 
-def _number_text(value: float) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
-def bounds_text(bounds: dict) -> str:
-    """What a key's bounds (schema.number) ask, in words: positive, ≥ 0, in [0, 1), …"""
-    low, high = bounds["min"], bounds["max"]
-    if low is not None and high is not None:
-        return (
-            f"in {'(' if bounds['min_exclusive'] else '['}{_number_text(low)}, {_number_text(high)}"
-            f"{')' if bounds['max_exclusive'] else ']'}"
-        )
-    if low is not None:
-        if low == 0:
-            return "positive" if bounds["min_exclusive"] else "≥ 0"
-        return f"{'>' if bounds['min_exclusive'] else '≥'} {_number_text(low)}"
-    if high is not None:
-        return f"{'<' if bounds['max_exclusive'] else '≤'} {_number_text(high)}"
-    return "a finite number"
-
-
-def out_of_bounds(value: Any, bounds: dict) -> bool:
-    """A number outside its bounds, NaN or ±inf; other values (None, auto) are for the cross-field checks."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if not math.isfinite(value):
-        return True
-    low, high = bounds["min"], bounds["max"]
-    below = low is not None and (value < low or (bounds["min_exclusive"] and value == low))
-    return below or (high is not None and (value > high or (bounds["max_exclusive"] and value == high)))
-
-
-def _check_finite(value: Any, key: str) -> None:
-    """Open maps (model.config_overrides, …): their keys belong to the model, so only finiteness is known here."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RecipeError(f"{key}={value} is not a finite number; fix the value")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for name, item in items:
-        _check_finite(item, f"{key}.{name}" if isinstance(value, dict) else f"{key}[{name}]")
-
-
-def check_numbers(section: Any, prefix: str = "") -> None:
-    """Every numeric key against the bounds the schema declares for it (schema.number), each number of a list or map
-    key included; and every number in the open maps finite. The messages are worded from the bounds."""
-    for f in fields(section):
-        key, value = prefix + f.name, getattr(section, f.name)
-        if is_dataclass(value):
-            check_numbers(value, key + ".")
-            continue
-        bounds = f.metadata.get("number")
-        if bounds is None:
-            if isinstance(value, (dict, list)):
-                _check_finite(value, key)
-            continue
-        hint = f" ({bounds['hint']})" if bounds["hint"] else ""
-        if isinstance(value, list):
-            count = bounds["count"]
-            if (count is not None and len(value) != count) or any(out_of_bounds(v, bounds) for v in value):
-                many = f"{COUNT_WORDS.get(count, count)} numbers" if count else "numbers"
-                raise RecipeError(f"{key}={list(value)} must be {many} {bounds_text(bounds)}{hint}")
-            continue
-        for name, number in value.items() if isinstance(value, dict) else [(None, value)]:
-            if out_of_bounds(number, bounds):
-                where = key if name is None else f"{key}.{name}"
-                verb = "must be"
-                if not math.isfinite(number):
-                    verb = f"is not {'a number' if math.isnan(number) else 'finite'}; it must be"
-                raise RecipeError(f"{where}={number} {verb} {bounds_text(bounds)}{hint}")
-
-
 def check_optim_and_schedule(config: Config) -> None:
     """Optimizer and schedule keys that need no run length (warmup vs. run length: `schedules.check_schedule`)."""
     s = config.schedule
@@ -149,12 +89,33 @@ def check_optim_and_schedule(config: Config) -> None:
 
 
 def check_config(config: Config) -> None:
+    """Every cross-field rule of a loaded recipe; the first broken one is a RecipeError in the user's key names."""
+    check_choices(config)
+    check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
+    check_named(config)
+    check_run_length(config)
+    check_batching(training_batching(config), config.data.max_length, config.data.streaming)
+    check_optim_and_schedule(config)
+    check_eval(config)
+    if config.train.precision == "fp16" and config.model.dtype != "float32":
+        raise RecipeError(
+            "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
+            "(or use train.precision=bf16)"
+        )
+    check_global_batch(config, env.world_size())
+
+
+def check_choices(config: Config) -> None:
     for key, allowed in CHOICES.items():
         if _get(config, key) not in allowed:
             raise choice_error(key, _get(config, key))
     micro = config.train.micro_batch_size
     if isinstance(micro, str) and micro != "auto":
         raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
+
+
+def check_named(config: Config) -> None:
+    """Keys that name something: not empty; lr scaling names the batch its lr was tuned for."""
     o = config.optim
     if o.lr_scaling != "none" and not o.base_batch_size:
         unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
@@ -162,7 +123,6 @@ def check_config(config: Config) -> None:
             f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
             f"{unit})"
         )
-    check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
     if not config.train.output_dir.strip():
         raise RecipeError("train.output_dir is empty; set it to the folder the run writes to")
     if not config.model.name_or_path.strip():
@@ -171,53 +131,58 @@ def check_config(config: Config) -> None:
         raise RecipeError(
             "data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a hub dataset id"
         )
-    if config.train.max_steps == 0:
+
+
+def check_run_length(config: Config) -> None:
+    train = config.train
+    if train.max_steps == 0:
         raise RecipeError(
             "train.max_steps=0 makes no optimizer step; set a positive number of steps, or -1 to train for train.epochs"
         )
-    if micro == "auto" and config.data.streaming:
+    if train.micro_batch_size == "auto" and config.data.streaming:
         raise RecipeError(
             "train.micro_batch_size=auto plans with the data's longest rows, which data.streaming=true "
             "does not know up front; set a number (python -m finetune.plan with data.streaming=false "
             "shows one)"
         )
-    if config.train.max_steps < 1 and config.train.epochs <= 0:
+    if train.max_steps < 1 and train.epochs <= 0:
         raise RecipeError("set train.max_steps to a positive number of optimizer steps or train.epochs above 0")
-    profile = config.train.profile_steps
+    profile = train.profile_steps
     if profile and (len(profile) != 2 or not 1 <= profile[0] <= profile[1]):
         raise RecipeError(
             f"train.profile_steps={list(profile)} must be [first, last] optimizer steps, 1 ≤ first ≤ last"
         )
-    if config.data.streaming and config.train.max_steps < 1:
+    if config.data.streaming and train.max_steps < 1:
         raise RecipeError("data.streaming=true has no dataset length to count epochs by; set train.max_steps")
-    if config.data.streaming and (config.data.batching == "length_grouped" or is_budgeted(config.data)):
+
+
+def check_batching(batching: Batching, max_length: int, streaming: bool = False) -> None:
+    """One set's batching keys (data.* for training, eval.* for the eval set) against the modes' table."""
+    key, mode, budget = batching.section, batching.mode, batching.max_tokens
+    if streaming and batching.needs_lengths_up_front:
         raise RecipeError(
-            f"data.batching={config.data.batching} sorts or budgets rows by length, which a stream does not know up "
-            "front; use data.batching=padded or packed (without data.max_tokens_per_micro_batch), or "
+            f"{key}.batching={mode} sorts or budgets rows by length, which a stream does not know up "
+            f"front; use {key}.batching=padded or packed (without {key}.max_tokens_per_micro_batch), or "
             "data.streaming=false"
         )
-    if config.data.batching == "token_budget" and not config.data.max_tokens_per_micro_batch:
-        raise RecipeError("data.batching=token_budget needs data.max_tokens_per_micro_batch (tokens per micro-batch)")
-    budget = config.data.max_tokens_per_micro_batch
-    if budget and config.data.batching in ("padded", "length_grouped"):
+    if MODES[mode].budget == "required" and not budget:
+        unit = "tokens per eval micro-batch" if key == "eval" else "tokens per micro-batch"
+        raise RecipeError(f"{key}.batching={mode} needs {key}.max_tokens_per_micro_batch ({unit})")
+    if budget and MODES[mode].budget == "no":
         raise RecipeError(
-            f"data.max_tokens_per_micro_batch applies to data.batching=token_budget or packed, not "
-            f"{config.data.batching}; remove it or change data.batching"
+            f"{key}.max_tokens_per_micro_batch applies to {key}.batching=token_budget or packed, not "
+            f"{mode}; remove it or change {key}.batching"
         )
-    if budget and budget < config.data.max_length:
+    if budget and budget < max_length:
         raise RecipeError(
-            f"data.max_tokens_per_micro_batch={budget} is below data.max_length={config.data.max_length}: a "
+            f"{key}.max_tokens_per_micro_batch={budget} is below data.max_length={max_length}: a "
             "longest row would not fit; raise the budget or lower data.max_length"
         )
-    check_optim_and_schedule(config)
-    check_eval(config)
-    if config.train.precision == "fp16" and config.model.dtype != "float32":
-        raise RecipeError(
-            "train.precision=fp16 trains float32 weights under a GradScaler; set model.dtype=float32 "
-            "(or use train.precision=bf16)"
-        )
-    ranks = env.world_size()
-    if micro != "auto":
+
+
+def check_global_batch(config: Config, ranks: int) -> None:
+    """The global batch splits into micro-batches × accumulation × ranks (auto: planned at start, in sequences)."""
+    if config.train.micro_batch_size != "auto":
         accumulation_steps(config, ranks)
     elif is_budgeted(config.data):
         raise RecipeError(
@@ -265,6 +230,18 @@ def precision_warning(config: Config) -> str | None:
     )
 
 
+EVAL_ONLY_KEYS = ("every_steps", "best_checkpoint", "early_stopping_patience", "limit", "prompts", "samples")
+
+
+def ignored_eval_keys(config: Config) -> list[str]:
+    """Without an eval set (eval.fraction=0 and no eval.source: evaluation off), the eval keys given that then mean
+    nothing: ignored with one note at start, so one key turns evaluation off."""
+    if evaluates(config):
+        return []
+    defaults = EvalConfig()
+    return [f"eval.{k}" for k in EVAL_ONLY_KEYS if getattr(config.eval, k) != getattr(defaults, k)]
+
+
 def check_eval(config: Config) -> None:
     """The eval section against itself and the data section."""
     ev, data = config.eval, config.data
@@ -273,22 +250,6 @@ def check_eval(config: Config) -> None:
             "set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not both"
         )
     if not evaluates(config):
-        asked = [
-            key
-            for key, given in (
-                ("eval.every_steps", ev.every_steps),
-                ("eval.best_checkpoint", ev.best_checkpoint),
-                ("eval.early_stopping_patience", ev.early_stopping_patience),
-                ("eval.limit", ev.limit is not None),
-                ("eval.prompts", ev.prompts),
-            )
-            if given
-        ]
-        if asked:
-            raise RecipeError(
-                f"{asked[0]} needs an eval set: set eval.fraction (e.g. 0.05: rows held out of "
-                "data.source) or eval.source"
-            )
         return
     if data.streaming and ev.fraction:
         raise RecipeError(
@@ -300,18 +261,4 @@ def check_eval(config: Config) -> None:
             "eval.early_stopping_patience counts evaluations during training; set eval.every_steps "
             "(optimizer steps between evaluations)"
         )
-    budget = ev.max_tokens_per_micro_batch
-    if ev.batching == "token_budget" and not budget:
-        raise RecipeError(
-            "eval.batching=token_budget needs eval.max_tokens_per_micro_batch (tokens per eval micro-batch)"
-        )
-    if budget and ev.batching in ("padded", "length_grouped"):
-        raise RecipeError(
-            f"eval.max_tokens_per_micro_batch applies to eval.batching=token_budget or packed, not "
-            f"{ev.batching}; remove it or change eval.batching"
-        )
-    if budget and budget < data.max_length:
-        raise RecipeError(
-            f"eval.max_tokens_per_micro_batch={budget} is below data.max_length={data.max_length}: a "
-            "longest row would not fit; raise the budget or lower data.max_length"
-        )
+    check_batching(eval_batching(ev), data.max_length)

@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from finetune.recipe.batch_modes import MODES
+
 
 class RecipeError(ValueError):
     """A problem with the recipe or its inputs that the user can fix; printed as one line, exit code 2."""
@@ -87,7 +89,7 @@ class DataConfig:
     loss_on: str = one_of("assistant", "completion", "all")
     on_bad_row: str = one_of("error", "skip")
     limit: int | None = number(None, min=1)  # keep the first N rows (quick runs)
-    batching: str = one_of("padded", "length_grouped", "token_budget", "packed")
+    batching: str = one_of(*MODES)  # finetune/recipe/batch_modes.py says what each does
     max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget only
     num_workers: int = number(0, min=0)
     streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
@@ -173,7 +175,7 @@ class EvalConfig:
     limit: int | None = number(None, min=1)
     # optimizer steps between evaluations; 0: only before the first step and at the end
     every_steps: int = number(0, min=0)
-    batching: str = one_of("packed", "padded", "length_grouped", "token_budget")  # as data.batching
+    batching: str = one_of(*MODES, default="packed")  # as data.batching
     micro_batch_size: int = number(8, min=1)  # rows per eval micro-batch (per rank)
     max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget, or packed by tokens
     # held-out prompts generated from (greedy) at each evaluation: console and a W&B table

@@ -11,12 +11,12 @@ measurements into fixed + per-token bytes; `available_bytes` is what the process
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import math
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 from finetune import env
 from finetune.recipe import Config, is_budgeted
@@ -53,14 +53,20 @@ class Trials:
 
         from finetune.assemble import build
 
-        trial = copy.deepcopy(cfg)
-        if is_budgeted(trial.data):
-            trial.data.max_tokens_per_micro_batch = smallest
-        else:
-            trial.train.micro_batch_size = smallest
         self._output = tempfile.TemporaryDirectory(prefix="finetune-plan-")  # removed by close(), else when collected
-        trial.train.output_dir = self._output.name
-        trial.train.save_steps, trial.train.resume_from, trial.log.wandb_mode = 0, None, "disabled"
+        budgeted = is_budgeted(cfg.data)
+        trial = replace(
+            cfg,
+            data=replace(cfg.data, max_tokens_per_micro_batch=smallest) if budgeted else cfg.data,
+            train=replace(
+                cfg.train,
+                micro_batch_size=cfg.train.micro_batch_size if budgeted else smallest,
+                output_dir=self._output.name,
+                save_steps=0,
+                resume_from=None,
+            ),
+            log=replace(cfg.log, wandb_mode="disabled"),
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # build's start-up lines are training's, not the plan's
             self.trainer = build(trial)
         self.cfg, self.model, self.device = trial, self.trainer.model, self.trainer.args.device

@@ -26,12 +26,13 @@ this planner when training starts (finetune/tools/train.py), before the trainer 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
 
 from finetune import env
-from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
+from finetune.recipe import Config, RecipeError, check_config, is_budgeted, load_config, split_tool_args
 from finetune.tools.boundary import run_command
 from finetune.tools.memory_trials import Trials, available_bytes, fit_line
 
@@ -242,8 +243,9 @@ def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tu
     )
 
 
-def resolve_auto_micro_batch(cfg: Config) -> None:
-    """`train.micro_batch_size: auto`: plan on this machine (every rank), agree on the smallest choice, set it."""
+def resolve_auto_micro_batch(cfg: Config) -> Config:
+    """`train.micro_batch_size: auto`: plan on this machine (every rank), agree on the smallest choice; a new config
+    with that number, checked again (`cfg` itself is left as loaded)."""
     import gc
 
     import torch
@@ -271,7 +273,9 @@ def resolve_auto_micro_batch(cfg: Config) -> None:
         f"train.micro_batch_size=auto → {choice} (accumulation {accumulation}; expected peak "
         f"{result.peak_bytes / GIB:.2f} GiB of a {result.limit_bytes / GIB:.2f} GiB limit)"
     )
-    cfg.train.micro_batch_size = choice
+    resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=choice))
+    check_config(resolved)
+    return resolved
 
 
 def main(argv: list[str] | None = None) -> int:

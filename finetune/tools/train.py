@@ -42,7 +42,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
         if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
             from finetune.tools.plan import resolve_auto_micro_batch
 
-            resolve_auto_micro_batch(cfg)
+            cfg = resolve_auto_micro_batch(cfg)
         record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
         ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
         trainer = build(cfg, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)

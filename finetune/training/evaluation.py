@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
-from finetune.recipe import Config, evaluates
+from finetune.recipe import Config
 from finetune.training import distributed
 from finetune.training.checkpoints import commit, staging_root, write_error, write_failure
 
@@ -51,21 +51,6 @@ class EvalSetup:
     collator: Callable  # the eval set's (eval.batching), for the Trainer's evaluation loop
     tokens: int  # real tokens of the eval set: eval tokens/s
     keep_best: bool  # eval.best_checkpoint
-
-
-def training_arguments(cfg: Config) -> dict:
-    """TrainingArguments of the recipe's evaluation (none without an eval set)."""
-    ev = cfg.eval
-    if not evaluates(cfg):
-        return {}
-    args = {"eval_strategy": "steps" if ev.every_steps else "no", "per_device_eval_batch_size": 1}  # items: batches
-    if ev.every_steps:
-        args["eval_steps"] = ev.every_steps
-    if ev.best_checkpoint or ev.early_stopping_patience:
-        args.update(metric_for_best_model="eval_loss", greater_is_better=False)
-    if ev.early_stopping_patience:
-        args["restore_callback_states_from_checkpoint"] = True  # the patience counter resumes
-    return args
 
 
 def perplexity(loss: float) -> float:
