@@ -91,6 +91,16 @@ def row_cross_entropy_sums(
     return sums.index_add_(0, rows, per_target.double()), mask.sum(-1)
 
 
+def row_correct_counts(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row of a [B, T] batch: how many targets are the logits' argmax (int64 [B]); logits as row_cross_entropy_sums
+    takes them. Token accuracy, for evaluation."""
+    mask = targets != IGNORE_INDEX
+    kept = logits if logits.dim() == 2 and logits.shape[0] == int(mask.sum()) else logits[mask]
+    hits = (kept.argmax(-1) == targets[mask].to(kept.device)).long()
+    rows = mask.nonzero()[:, 0].to(hits.device)
+    return torch.zeros(targets.shape[0], dtype=torch.int64, device=hits.device).index_add_(0, rows, hits)
+
+
 def kept_cross_entropy_sum(
     kept_logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

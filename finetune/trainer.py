@@ -3,15 +3,16 @@
 What it improves over `Trainer`, and nothing else (everything else is `Trainer`'s own code path):
 
 - **Training**: per optimizer step the whole accumulation window's label tokens are counted (with the mask of the
-  model's loss kind, summed over data-parallel ranks only: `window_label_tokens`), the loss is the *sum* of
-  cross-entropy computed here from the model's logits (the model's own loss is never used, so models that ignore
-  `num_items_in_batch`, like many VLMs, are exact too) divided by that count, times the data-parallel size to cancel
-  DDP/FSDP/ZeRO gradient averaging. `loss_is_scaled_for_ga` is then True, so nothing divides again. Label smoothing
+  model's loss kind, summed over data-parallel ranks only: `window_label_tokens`), and each micro-batch's loss is the
+  *sum* of cross-entropy computed here from the model's logits (the model's own loss is never used, so models that
+  ignore `num_items_in_batch`, like many VLMs, are exact too), divided by that count, times the data-parallel size:
+  the rule and why each factor is there are in finetune/token_mean.py, which these hooks call. Label smoothing
   (`label_smoothing_factor`) is applied inside the sum; a `compute_loss_func` gets the window count as
   `num_items_in_batch`.
 - **Evaluation**: `evaluate()`/`predict()`'s `eval_loss` is the token mean of the whole eval set (every labelled
   position's loss summed over all batches and ranks ÷ their count, logged as `eval_label_tokens`), not a mean of
   per-batch means: it does not move with the eval batch size, the last short batch or the number of ranks.
+  `eval_token_accuracy` is the share of those positions whose argmax is the label.
 - **An empty window** (no labelled token on any rank) makes no update (`updates_weights`), instead of moving the
   weights by optimizer momentum and decay.
 - **Per-step figures**: `window_label_tokens`, `padding_efficiency`, `mean_sequence_tokens`, `clip_factor` in the log
@@ -36,6 +37,7 @@ from transformers import Trainer
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
+from finetune import token_mean
 from finetune.heads import (
     head_passes_hidden_states,
     logits_of,
@@ -52,6 +54,7 @@ from finetune.loss import (
     cross_entropy_sum,
     head_cross_entropy_sum,
     kept_cross_entropy_sum,
+    row_correct_counts,
     row_cross_entropy_sums,
     sample_loss_sums,
     targets_of,
@@ -115,7 +118,7 @@ class TokenNormTrainer(Trainer):
             if self.accelerator.native_amp
             else None
         )
-        # [loss sum, label tokens, rows or batches summed] while an evaluation loop runs
+        # token_mean.EVAL_COLUMNS summed over the set while an evaluation loop runs (see evaluating())
         self._eval_sums: torch.Tensor | None = None
         self._gated_optimizer = None
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
@@ -187,32 +190,46 @@ class TokenNormTrainer(Trainer):
         if self.loss_kind is None or not isinstance(inputs, Mapping) or "labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         targets = targets_of(inputs, self.loss_kind)
-        evaluating = self._eval_sums is not None
         if self.compute_loss_func is not None:
-            outputs, _ = self._forward(model, inputs, targets, keep_logits=False)
-            count = (targets != IGNORE_INDEX).sum()
-            per_batch = evaluating or num_items_in_batch is None
-            denominator = count if per_batch else num_items_in_batch
-            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=denominator)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise ValueError(
-                    f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
-                    f"÷ num_items_in_batch); it returned {shape}"
-                )
-            loss = loss.reshape(())
-            if evaluating:
-                summed = torch.stack([loss.double() * count, count.double(), count.new_ones((), dtype=torch.float64)])
-                self._add_eval(self.accelerator.gather(summed[None]))
-            elif not per_batch:
-                loss = loss * self._data_parallel_size()
-            return (loss, outputs) if return_outputs else loss
-
-        smoothing = self.args.label_smoothing_factor
+            return self._loss_of_func(model, inputs, targets, return_outputs, num_items_in_batch)
         keep_logits = self._keeps_logits and not return_outputs
+        outputs, loss_sum, label_tokens = self._summed_loss(model, inputs, targets, keep_logits)
+        if self.evaluating() or num_items_in_batch is None:  # this batch's own token mean (evaluation, a direct call)
+            loss = token_mean.batch_mean(loss_sum, label_tokens)
+        else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/token_mean.py)
+            loss = token_mean.window_loss(loss_sum, num_items_in_batch, self._data_parallel_size())
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_of_func(self, model, inputs, targets, return_outputs, num_items_in_batch):
+        """A `compute_loss_func` divides its own sum by the count it is given: the window's (training) or the batch's
+        (evaluation); the data-parallel factor of token_mean.window_loss is applied here."""
+        outputs, _ = self._forward(model, inputs, targets, keep_logits=False)
+        label_tokens = (targets != IGNORE_INDEX).sum()
+        per_batch = self.evaluating() or num_items_in_batch is None
+        loss = self.compute_loss_func(
+            outputs, inputs["labels"], num_items_in_batch=label_tokens if per_batch else num_items_in_batch
+        )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
+                f"÷ num_items_in_batch); it returned {shape}"
+            )
+        loss = loss.reshape(())
+        if self.evaluating():
+            self._add_eval(self.accelerator.gather(token_mean.eval_rows(loss.double() * label_tokens, label_tokens)))
+        elif not per_batch:
+            loss = loss * self._data_parallel_size()
+        return (loss, outputs) if return_outputs else loss
+
+    def _summed_loss(self, model, inputs: Mapping, targets: torch.Tensor, keep_logits: bool):
+        """(outputs, summed loss, label tokens) of one micro-batch: through the chunked head where the model allows
+        it, else from its (kept) logits; an evaluation also adds its rows to the set's sums."""
+        smoothing = self.args.label_smoothing_factor
         outputs, hidden = self._forward(model, inputs, targets, keep_logits=keep_logits)
         logits = logits_of(outputs)
         kept = keep_logits and logits is not None and logits.dim() == 2
+        full = logits is not None and logits.shape[:-1] == targets.shape
         if hidden is not None:
             head = self._chunked_head
             loss_sum, count = head_cross_entropy_sum(
@@ -220,12 +237,13 @@ class TokenNormTrainer(Trainer):
             )
         elif self.loss_kind == SAMPLE and logits is not None and logits.shape[0] == targets.shape[0]:
             problem = problem_type_of(self.accelerator.unwrap_model(model), targets)
-            loss_sum, count = self._summed_rows(*sample_loss_sums(logits, targets, problem, smoothing), evaluating)
-        elif evaluating and (kept or logits is not None and logits.shape[:-1] == targets.shape):
-            loss_sum, count = self._summed_rows(*row_cross_entropy_sums(logits, targets, smoothing), evaluating)
+            loss_sum, count = self._summed_rows(*sample_loss_sums(logits, targets, problem, smoothing))
+        elif self.evaluating() and (kept or full):
+            row_sums, row_counts = row_cross_entropy_sums(logits, targets, smoothing)
+            loss_sum, count = self._summed_rows(row_sums, row_counts, row_correct_counts(logits, targets))
         elif kept:
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
-        elif logits is not None and logits.shape[:-1] == targets.shape:
+        elif full:
             loss_sum, count = cross_entropy_sum(logits, targets, smoothing)
         else:
             shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
@@ -234,28 +252,14 @@ class TokenNormTrainer(Trainer):
                 f"returned {shape} where logits of shape {tuple(targets.shape)} + (classes,) were expected; train it "
                 "with transformers.Trainer, or return the logits"
             )
-        if evaluating or num_items_in_batch is None:  # this batch's own token mean (evaluation, or a direct call)
-            loss = loss_sum / count.clamp(min=1)
-        else:
-            # max: an empty window has loss_sum 0 and makes zero gradients, never 0/0. A host number divides
-            # without a copy to the device.
-            window_label_tokens = num_items_in_batch
-            if isinstance(window_label_tokens, torch.Tensor):
-                window_label_tokens = window_label_tokens.clamp(min=1).to(loss_sum.device)
-            else:
-                window_label_tokens = max(int(window_label_tokens), 1)
-            loss = loss_sum / window_label_tokens * self._data_parallel_size()
-        return (loss, outputs) if return_outputs else loss
+        return outputs, loss_sum, count
 
-    def _summed_rows(self, row_sums: torch.Tensor, row_counts: torch.Tensor, evaluating: bool):
+    def _summed_rows(self, row_sums: torch.Tensor, row_counts: torch.Tensor, correct: torch.Tensor | None = None):
         """(loss sum, count) of a batch from per-row figures; an evaluation also adds the rows to the whole set's
         sums. gather_for_metrics drops the rows repeated to fill the last batches, even where a subclass gathers
         predictions with plain gather (Seq2SeqTrainer keeps them)."""
-        if evaluating:
-            rows = torch.stack(
-                [row_sums.double(), row_counts.double(), torch.ones_like(row_sums, dtype=torch.float64)], dim=1
-            )
-            self._add_eval(self.accelerator.gather_for_metrics(rows))
+        if self.evaluating():
+            self._add_eval(self.accelerator.gather_for_metrics(token_mean.eval_rows(row_sums, row_counts, correct)))
         return row_sums.sum(), row_counts.sum()
 
     def _forward_inputs(self, model, inputs: Mapping) -> dict:
@@ -348,6 +352,11 @@ class TokenNormTrainer(Trainer):
         finally:  # the step meter's clock skips the evaluation: training tokens/s stay training's
             self.meter.since += time.perf_counter() - started
 
+    def evaluating(self) -> bool:
+        """Whether an evaluation loop is running: compute_loss then reports each batch's own token mean and adds its
+        rows to the whole set's sums (finetune/token_mean.py)."""
+        return self._eval_sums is not None
+
     def _add_eval(self, gathered: torch.Tensor) -> None:
         self._eval_sums += gathered.to(self._eval_sums.device, torch.float64).sum(0)
 
@@ -358,15 +367,15 @@ class TokenNormTrainer(Trainer):
             return super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
-        self._eval_sums = torch.zeros(3, dtype=torch.float64, device=self.args.device)
+        self._eval_sums = torch.zeros(len(token_mean.EVAL_COLUMNS), dtype=torch.float64, device=self.args.device)
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
-            loss_sum, label_tokens, summed = self._eval_sums.tolist()
+            totals = dict(zip(token_mean.EVAL_COLUMNS, self._eval_sums.tolist()))
         finally:
             self._eval_sums = None
-        if summed == 0 and f"{metric_key_prefix}_loss" in output.metrics:
+        if totals["rows"] == 0 and f"{metric_key_prefix}_loss" in output.metrics:
             # The loss came from somewhere compute_loss never saw (a subclass's prediction_step that calls the model
             # itself, as Seq2SeqTrainer's generating step does): said, not passed off as exact.
             logger.warning_once(
@@ -374,9 +383,8 @@ class TokenNormTrainer(Trainer):
                 "exact token mean: its prediction_step computed the loss without compute_loss. Use "
                 "finetune.TokenNormSeq2SeqTrainer for Seq2SeqTrainer code, or compute the loss with self.compute_loss."
             )
-        elif label_tokens > 0:  # every rank gathered every row: the same figures everywhere
-            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / label_tokens
-            output.metrics[f"{metric_key_prefix}_label_tokens"] = int(label_tokens)
+        else:  # every rank gathered every row: the same figures everywhere
+            output.metrics.update(token_mean.eval_metrics(list(totals.values()), metric_key_prefix))
         return output
 
     # ---- the optimizer step consults updates_weights() ----
@@ -384,7 +392,7 @@ class TokenNormTrainer(Trainer):
     def updates_weights(self) -> bool:
         """Whether this optimizer step may change the weights: not for a window without any labelled token (its zero
         gradient would still move AdamW's moments and decay the weights). Subclasses add their reasons (and super)."""
-        return self._window_label_tokens != 0
+        return token_mean.updates_weights(self._window_label_tokens)
 
     def _gate_step(self, optimizer, args, kwargs):
         # torch's step pre-hook: parameters without a gradient are left alone by every torch optimizer

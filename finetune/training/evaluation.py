@@ -41,6 +41,7 @@ EVAL_TIMING_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_s
 EVAL_FIELDS = [  # (log key, label, format) of the console line per evaluation
     ("eval_loss", "loss", "{:.4f}"),
     ("eval_perplexity", "ppl", "{:.2f}"),
+    ("eval_token_accuracy", "acc", "{:.4f}"),
     ("eval_label_tokens", "targets", "{:,.0f}"),
     ("eval_tokens_per_s", "tok/s", "{:.0f}"),
 ]
