@@ -16,14 +16,15 @@ from collections.abc import Iterable
 import torch
 from transformers import TrainerCallback, set_seed
 
-from finetune.data import batching, heldout
+from finetune.data import batching, heldout, mixture
 from finetune.data.prompts import sample_prompts
 from finetune.data.vision import VisionCollator
 from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps, eval_batching, evaluates, training_batching
-from finetune.recipe.checks import ignored_eval_keys, precision_on_device, precision_warning
+from finetune.recipe.checks import precision_on_device, precision_warning
+from finetune.recipe.set_checks import eval_set_names, ignored_eval_keys
 from finetune.training import distributed, evaluation, reporting, schedules
 from finetune.training.arguments import training_arguments
 from finetune.training.recipe_trainer import RecipeTrainer
@@ -53,7 +54,7 @@ def build(
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
 
     # data, the eval set and batching, before the model: a bad row fails in seconds
-    batches, eval_set, prompts = load_data(cfg, tokenizer, vision, evaluate)
+    batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate)
     total_steps = batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
 
     # learning rate and schedule, from the effective batch
@@ -61,8 +62,8 @@ def build(
     schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
 
-    args = training_arguments(cfg, accumulation, lr, batches, evaluating=eval_set is not None)  # before the model
-    model = load_model(cfg, folder, tokenizer, vision, evaluating=eval_set is not None)
+    args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
+    model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
     return trainer_cls(
         model=model,
         args=args,
@@ -74,7 +75,7 @@ def build(
             *distributed.callbacks(),
             *reporting.callbacks(cfg),
             *callbacks,
-            *(evaluation.callbacks(cfg, prompts) if eval_set else ()),
+            *(evaluation.callbacks(cfg, prompts) if eval_sets else ()),
         ],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
@@ -83,7 +84,7 @@ def build(
         stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
-        **(eval_parts(cfg, eval_set) if eval_set else {}),
+        **(eval_parts(cfg, eval_sets) if eval_sets else {}),
     )
 
 
@@ -99,22 +100,25 @@ def check_machine(cfg: Config) -> None:
 
 
 def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool):
-    """(the training micro-batches, the eval set, its sample prompts); no eval set (None) without one or with
-    `evaluate=False`."""
+    """(the training micro-batches, {name: eval set}, the sample prompts); no eval set ({}) without one or with
+    `evaluate=False`. One unnamed eval set is named ""."""
     data, seed = cfg.data, cfg.train.seed
-    dataset, report, held = heldout.load_training_set(data, cfg.eval.fraction, seed, tokenizer, vision)
+    load_rows = mixture.load_mixture if data.mixture else heldout.load_training_set
+    dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, vision)
     reporting.main_print(f"data: {report.summary()}")
-    eval_set, prompts = None, []
+    eval_sets, prompts = {}, []
     if ignored := ignored_eval_keys(cfg):  # eval.fraction=0 alone turns evaluation off
         reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {', '.join(ignored)} ignored")
     if evaluate and evaluates(cfg):
-        eval_set = heldout.load_eval_set(cfg.eval, data, held, dataset, seed, tokenizer, vision)
-        reporting.main_print(eval_set.summary)
-        prompts = eval_prompts(cfg, eval_set, tokenizer, vision)
+        training = None if data.streaming else dataset
+        eval_sets = heldout.load_eval_sets(cfg.eval, data, held, eval_set_names(cfg), training, seed, tokenizer, vision)
+        for eval_set in eval_sets.values():
+            reporting.main_print(eval_set.summary)
+        prompts = eval_prompts(cfg, next(iter(eval_sets.values())), tokenizer, vision)
     batches = batching.prepare(training_batching(cfg), dataset, tokenizer.tokenizer if vision else tokenizer, seed)
     if vision:  # the image processor's tensors join each text batch
         batches.collator = VisionCollator(batches.collator, tokenizer)
-    return batches, eval_set, prompts
+    return batches, eval_sets, prompts
 
 
 def load_model(cfg: Config, folder: str, tokenizer, vision: bool, evaluating: bool):
@@ -135,9 +139,14 @@ def eval_prompts(cfg: Config, eval_set: heldout.EvalSet, tokenizer, vision: bool
     return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)
 
 
-def eval_parts(cfg: Config, eval_set: heldout.EvalSet) -> dict:
-    setup = evaluation.EvalSetup(eval_set.collator, eval_set.tokens, cfg.eval.best_checkpoint)
-    return {"eval_dataset": eval_set.dataset, "eval_setup": setup}
+def eval_parts(cfg: Config, eval_sets: dict) -> dict:
+    """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
+    log line: finetune/training/recipe_trainer.py)."""
+    first = next(iter(eval_sets.values()))
+    tokens = sum(s.tokens for s in eval_sets.values())
+    setup = evaluation.EvalSetup(first.collator, tokens, cfg.eval.best_checkpoint)
+    datasets = first.dataset if list(eval_sets) == [""] else {name: s.dataset for name, s in eval_sets.items()}
+    return {"eval_dataset": datasets, "eval_setup": setup}
 
 
 def recipe_peak_flops(cfg: Config) -> float | None:

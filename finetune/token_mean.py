@@ -72,3 +72,19 @@ def eval_metrics(totals: list[float], prefix: str) -> dict[str, float]:
     if sums["accuracy_tokens"] == sums["label_tokens"]:
         metrics[f"{prefix}_token_accuracy"] = sums["correct"] / sums["label_tokens"]
     return metrics
+
+
+def combined_metrics(metrics: dict[str, float], names: list[str], prefix: str) -> dict[str, float]:
+    """The figures over several eval sets' tokens from each set's (`{prefix}_{name}_loss`, `_label_tokens`,
+    `_token_accuracy`): a mean × its count gives back each set's float64 sum, so the whole is the token mean of all of
+    them, not a mean of the sets' means."""
+    tokens = [metrics.get(f"{prefix}_{n}_label_tokens", 0) for n in names]
+    if sum(tokens) <= 0:
+        return {}
+    loss = sum(metrics[f"{prefix}_{n}_loss"] * t for n, t in zip(names, tokens) if t) / sum(tokens)
+    combined = {f"{prefix}_loss": loss, f"{prefix}_label_tokens": int(sum(tokens))}
+    accuracies = [metrics.get(f"{prefix}_{n}_token_accuracy") for n, t in zip(names, tokens) if t]
+    if all(a is not None for a in accuracies):
+        hits = sum(a * t for a, t in zip(accuracies, (t for t in tokens if t)))
+        combined[f"{prefix}_token_accuracy"] = hits / sum(tokens)
+    return combined

@@ -31,7 +31,7 @@ from finetune.data.text import load_sft_dataset
 from finetune.data.vision import VisionCollator, load_vision_dataset, vision_records
 from finetune.env import world_size
 from finetune.labels import IGNORE_INDEX
-from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, eval_batching
+from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, eval_batching, mixture_names
 
 QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json
 
@@ -196,28 +196,69 @@ def load_training_set(data: DataConfig, fraction: float, seed: int, tokenizer, v
     return (*load(data, tokenizer, records=train_records), HeldOut(held, how))
 
 
-def _eval_records(ev: EvalConfig, data: DataConfig, held: HeldOut | None, vision: bool):
-    """(the key that chose the eval rows, their source, the data keys they are read with, the raw rows, how)."""
-    if held is not None:
-        records = held.records[: ev.limit] if ev.limit is not None else held.records
-        return f"eval.fraction={ev.fraction:g}", data.source, eval_reading(ev, data, data.source, data.split), records
-    key, config = f"eval.source={ev.source}", eval_reading(ev, data, ev.source, ev.split)
-    with named(key, ev.source):
-        read = DataReport(source=ev.source)
-        return key, ev.source, config, vision_records(config, read) if vision else read_records(config, read)
+@dataclass
+class EvalRows:
+    """The raw rows of one eval set and where they come from."""
+
+    key: str  # the recipe key that chose them: errors name it
+    source: str
+    reading: DataConfig  # the data keys they are read with
+    records: list[Record]
+    how: str  # for the start-up line
 
 
-def load_eval_set(ev: EvalConfig, data: DataConfig, held: HeldOut | None, training, seed: int, tokenizer, vision: bool):
-    """The eval set: the rows held out of data.source (`held`) or eval.source's, read as training rows are, checked
-    against the `training` dataset, batched as the eval section says."""
-    key, source, config, records = _eval_records(ev, data, held, vision)
+def _read_eval_rows(ev: EvalConfig, data: DataConfig, key: str, source: str, vision: bool) -> EvalRows:
+    reading = eval_reading(ev, data, source, ev.split)
+    with named(key, source):
+        read = DataReport(source=source)
+        return EvalRows(
+            key, source, reading, vision_records(reading, read) if vision else read_records(reading, read), key
+        )
+
+
+def _held_rows(ev: EvalConfig, data: DataConfig, held: HeldOut, source: str) -> EvalRows:
+    records = held.records[: ev.limit] if ev.limit is not None else held.records
+    used = f" ({len(records):,} of them: eval.limit)" if ev.limit is not None else ""
+    key = f"eval.fraction={ev.fraction:g}"
+    return EvalRows(key, source, eval_reading(ev, data, source, data.split), records, held.how + used)
+
+
+def eval_rows(ev: EvalConfig, data: DataConfig, held, names: list[str], vision: bool) -> dict[str, EvalRows]:
+    """{name: its rows} of every eval set; one set without a name ("") unless the recipe names several
+    (recipe.eval_set_names). `held`: rows held out of data.source (HeldOut), or of each mixture source by name."""
+    found: dict[str, EvalRows] = {}
+    if isinstance(held, dict):
+        parts = {n: p.source for n, p in zip(mixture_names(data), data.mixture)}
+        found.update({name: _held_rows(ev, data, h, parts[name]) for name, h in held.items()})
+    elif held is not None:
+        found["heldout"] = _held_rows(ev, data, held, data.source)
+    if ev.source:
+        found["eval"] = _read_eval_rows(ev, data, f"eval.source={ev.source}", ev.source, vision)
+    for name, source in ev.sets.items():
+        found[name] = _read_eval_rows(ev, data, f"eval.sets.{name}={source}", source, vision)
+    return found if names else {"": next(iter(found.values()))}
+
+
+def load_eval_sets(ev: EvalConfig, data: DataConfig, held, names: list[str], training, seed: int, tokenizer, vision):
+    """{name: EvalSet} of the recipe's eval sets ("" for its one unnamed set), each read as training rows are,
+    checked against the `training` dataset, batched as the eval section says."""
+    return {
+        name: load_eval_set(rows, ev, training, seed, tokenizer, vision, name)
+        for name, rows in eval_rows(ev, data, held, names, vision).items()
+    }
+
+
+def load_eval_set(rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokenizer, vision: bool, name: str = ""):
+    """One eval set: its rows read as training rows are, checked against the `training` dataset (None: a stream,
+    not known up front), batched as the eval section says."""
+    key, source, config, records = rows_of.key, rows_of.source, rows_of.reading, rows_of.records
     load = load_vision_dataset if vision else load_sft_dataset
     with named(key, source):
         if not records:
             raise RecipeError(f"data.source={source}: no rows to read")
         held_rows, eval_report = load(config, tokenizer, records=records)
     rows = held_rows.to_list()
-    if not data.streaming:  # a stream is not known up front
+    if training is not None:  # a stream is not known up front
         check_no_overlap(training, rows, key)
     lengths = [len(r["input_ids"]) for r in rows]
     batching = eval_batching(ev)
@@ -227,11 +268,9 @@ def load_eval_set(ev: EvalConfig, data: DataConfig, held: HeldOut | None, traini
     collator = MicroBatchCollator(row_collator(batching, tokenizer.tokenizer if vision else tokenizer))
     if vision:  # the image processor's tensors join each text batch
         collator = VisionCollator(collator, tokenizer)
-    how = held.how if held is not None else key
-    used = f" ({len(records):,} of them: eval.limit)" if held is not None and ev.limit is not None else ""
     when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
     summary = (
-        f"eval: {how}{used}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
+        f"eval{' ' + name if name else ''}: {rows_of.how}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
         f"{'es' if count != 1 else ''}; {when}"
     )
     dataset = MicroBatches(rows, groups)

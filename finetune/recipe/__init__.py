@@ -8,14 +8,7 @@ mistake in a second. Everything else in finetune may import it; it imports nothi
 """
 
 from finetune.recipe.batch_modes import MODES, Batching
-from finetune.recipe.checks import (
-    accumulation_steps,
-    check_config,
-    eval_batching,
-    evaluates,
-    is_budgeted,
-    training_batching,
-)
+from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
 from finetune.recipe.schema import (
     CHOICES,
@@ -25,6 +18,7 @@ from finetune.recipe.schema import (
     EvalConfig,
     LogConfig,
     LoraConfig,
+    MixtureSource,
     ModelConfig,
     OptimConfig,
     RecipeError,
@@ -33,6 +27,7 @@ from finetune.recipe.schema import (
     choice_error,
     first_line,
 )
+from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, mixture_names, training_batching
 
 __all__ = [
     "MODES",
@@ -46,6 +41,7 @@ __all__ = [
     "EvalConfig",
     "LogConfig",
     "LoraConfig",
+    "MixtureSource",
     "ModelConfig",
     "OptimConfig",
     "RecipeError",
@@ -54,7 +50,9 @@ __all__ = [
     "accumulation_steps",
     "check_config",
     "choice_error",
+    "eval_set_names",
     "evaluates",
+    "mixture_names",
     "first_line",
     "is_budgeted",
     "load_config",

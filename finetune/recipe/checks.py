@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import env
-from finetune.recipe.batch_modes import MODES, Batching
+from finetune.recipe.batch_modes import Batching
 from finetune.recipe.bounds import check_numbers
-from finetune.recipe.schema import CHOICES, Config, DataConfig, EvalConfig, RecipeError, choice_error
+from finetune.recipe.schema import CHOICES, Config, DataConfig, RecipeError, choice_error
+from finetune.recipe.set_checks import check_batching, check_eval, check_mixture, training_batching
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -17,26 +18,9 @@ def _get(config: Config, dotted: str) -> Any:
     return value
 
 
-def training_batching(config: Config) -> Batching:
-    """How training rows become micro-batches: data.batching, train.micro_batch_size, data.max_tokens_per_micro_batch
-    (the recipe as loaded: resolve train.micro_batch_size=auto first)."""
-    data = config.data
-    return Batching(data.batching, config.train.micro_batch_size, data.max_tokens_per_micro_batch, "data")
-
-
-def eval_batching(ev: EvalConfig) -> Batching:
-    """How eval rows become micro-batches: eval.batching, eval.micro_batch_size, eval.max_tokens_per_micro_batch."""
-    return Batching(ev.batching, ev.micro_batch_size, ev.max_tokens_per_micro_batch, "eval")
-
-
 def is_budgeted(data: DataConfig) -> bool:
     """Training micro-batches filled up to `data.max_tokens_per_micro_batch` rather than a fixed row count."""
     return Batching(data.batching, 1, data.max_tokens_per_micro_batch).budgeted
-
-
-def evaluates(config: Config) -> bool:
-    """The recipe has an eval set: a separate eval.source, or rows held out of data.source (eval.fraction)."""
-    return bool(config.eval.source) or config.eval.fraction > 0
 
 
 def accumulation_steps(config: Config, ranks: int) -> int:
@@ -95,6 +79,7 @@ def check_config(config: Config) -> None:
     check_named(config)
     check_run_length(config)
     check_batching(training_batching(config), config.data.max_length, config.data.streaming)
+    check_mixture(config.data)
     check_optim_and_schedule(config)
     check_eval(config)
     if config.train.precision == "fp16" and config.model.dtype != "float32":
@@ -127,7 +112,7 @@ def check_named(config: Config) -> None:
         raise RecipeError("train.output_dir is empty; set it to the folder the run writes to")
     if not config.model.name_or_path.strip():
         raise RecipeError("model.name_or_path is empty; set it to a model folder, a hub id, or pkg:PACKAGE")
-    if not config.data.source.strip():
+    if not config.data.source.strip() and not config.data.mixture:
         raise RecipeError(
             "data.source is empty; set it to stdlib_docs, a jsonl/json/parquet/csv file or folder, or a hub dataset id"
         )
@@ -154,30 +139,6 @@ def check_run_length(config: Config) -> None:
         )
     if config.data.streaming and train.max_steps < 1:
         raise RecipeError("data.streaming=true has no dataset length to count epochs by; set train.max_steps")
-
-
-def check_batching(batching: Batching, max_length: int, streaming: bool = False) -> None:
-    """One set's batching keys (data.* for training, eval.* for the eval set) against the modes' table."""
-    key, mode, budget = batching.section, batching.mode, batching.max_tokens
-    if streaming and batching.needs_lengths_up_front:
-        raise RecipeError(
-            f"{key}.batching={mode} sorts or budgets rows by length, which a stream does not know up "
-            f"front; use {key}.batching=padded or packed (without {key}.max_tokens_per_micro_batch), or "
-            "data.streaming=false"
-        )
-    if MODES[mode].budget == "required" and not budget:
-        unit = "tokens per eval micro-batch" if key == "eval" else "tokens per micro-batch"
-        raise RecipeError(f"{key}.batching={mode} needs {key}.max_tokens_per_micro_batch ({unit})")
-    if budget and MODES[mode].budget == "no":
-        raise RecipeError(
-            f"{key}.max_tokens_per_micro_batch applies to {key}.batching=token_budget or packed, not "
-            f"{mode}; remove it or change {key}.batching"
-        )
-    if budget and budget < max_length:
-        raise RecipeError(
-            f"{key}.max_tokens_per_micro_batch={budget} is below data.max_length={max_length}: a "
-            "longest row would not fit; raise the budget or lower data.max_length"
-        )
 
 
 def check_global_batch(config: Config, ranks: int) -> None:
@@ -228,37 +189,3 @@ def precision_warning(config: Config) -> str | None:
         "model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller than 1/256 of a weight "
         "are rounded away; for exact small-lr updates use model.dtype=float32 with train.precision=bf16"
     )
-
-
-EVAL_ONLY_KEYS = ("every_steps", "best_checkpoint", "early_stopping_patience", "limit", "prompts", "samples")
-
-
-def ignored_eval_keys(config: Config) -> list[str]:
-    """Without an eval set (eval.fraction=0 and no eval.source: evaluation off), the eval keys given that then mean
-    nothing: ignored with one note at start, so one key turns evaluation off."""
-    if evaluates(config):
-        return []
-    defaults = EvalConfig()
-    return [f"eval.{k}" for k in EVAL_ONLY_KEYS if getattr(config.eval, k) != getattr(defaults, k)]
-
-
-def check_eval(config: Config) -> None:
-    """The eval section against itself and the data section."""
-    ev, data = config.eval, config.data
-    if ev.source and ev.fraction:
-        raise RecipeError(
-            "set eval.source (a separate eval set) or eval.fraction (rows held out of data.source), not both"
-        )
-    if not evaluates(config):
-        return
-    if data.streaming and ev.fraction:
-        raise RecipeError(
-            "eval.fraction holds rows out of data.source, which data.streaming=true reads only as "
-            "training goes; set eval.source to a separate eval set, or data.streaming=false"
-        )
-    if ev.early_stopping_patience and not ev.every_steps:
-        raise RecipeError(
-            "eval.early_stopping_patience counts evaluations during training; set eval.every_steps "
-            "(optimizer steps between evaluations)"
-        )
-    check_batching(eval_batching(ev), data.max_length)

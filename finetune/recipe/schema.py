@@ -80,6 +80,18 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One source of data.mixture, read with the data.* keys except those it sets itself."""
+
+    source: str = MISSING  # as data.source
+    weight: float = 1.0  # its share of the training rows: weight / the sum of the weights
+    name: str | None = None  # in the data line and eval_<name>_loss; default: the file's stem (or the source)
+    format: str | None = None  # default: data.format
+    loss_on: str | None = None  # default: data.loss_on
+    split: str | None = None  # a hub dataset's split; default: data.split
+
+
+@dataclass
 class DataConfig:
     source: str = "stdlib_docs"  # stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id
     split: str = "train"
@@ -93,6 +105,8 @@ class DataConfig:
     max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget only
     num_workers: int = number(0, min=0)
     streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
+    # several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, name, format, …}]
+    mixture: list[MixtureSource] = field(default_factory=list)
 
 
 @dataclass
@@ -168,7 +182,12 @@ class EvalConfig:
     # The eval set. Empty: rows held out of data.source (eval.fraction; stdlib_docs holds out whole modules), else a
     # stdlib_docs | shapes_captions | jsonl/json/parquet/csv file or folder | hub id, read with the data.* keys
     source: str | None = None
-    split: str = "validation"  # the split of a hub dataset eval.source
+    split: str = "validation"  # the split of a hub dataset eval.source (and of eval.sets)
+    # named eval sets {name: source}, each logged as eval_<name>_loss; eval_loss is the mean over all their tokens.
+    # With data.mixture, eval.fraction holds out of each source, named as the mixture names it
+    sets: dict[str, str] = field(default_factory=dict)
+    # what the best model and early stopping follow: eval_loss, eval_token_accuracy, eval_<name>_loss, …
+    metric: str = "eval_loss"
     # share of data.source held out (seeded by train.seed), never trained on; 0: no held-out rows
     fraction: float = number(0.0, min=0, max=1, max_exclusive=True, hint="the share of data.source held out")
     # evaluate on N rows: the first N of eval.source, or N held-out rows in a seeded order
@@ -198,7 +217,7 @@ class Config:
     recipe: str | None = None  # the YAML file this config came from
 
 
-OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers")
+OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers", "eval.sets")
 
 
 def _choices(section: type, prefix: str = "") -> dict[str, tuple[str, ...]]:

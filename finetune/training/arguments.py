@@ -54,7 +54,7 @@ def eval_keys(ev: EvalConfig) -> dict:
     if ev.every_steps:
         keys["eval_steps"] = ev.every_steps
     if ev.best_checkpoint or ev.early_stopping_patience:
-        keys.update(metric_for_best_model="eval_loss", greater_is_better=False)
+        keys.update(metric_for_best_model=ev.metric, greater_is_better=ev.metric.endswith("accuracy"))
     if ev.early_stopping_patience:
         keys["restore_callback_states_from_checkpoint"] = True  # the patience counter resumes
     return keys

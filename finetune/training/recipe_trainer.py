@@ -20,6 +20,7 @@ from transformers.utils import logging
 from finetune.recipe import RecipeError, first_line
 from finetune.trainer import TokenNormTrainer
 from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
+from finetune.training.eval_sets import evaluate_sets
 
 logger = logging.get_logger(__name__)
 
@@ -249,7 +250,8 @@ class RecipeTrainer(TokenNormTrainer):
             logs["nonfinite_skipped"] = self.nonfinite_skipped
         evaluated = self.eval_setup is not None and "eval_loss" in logs
         if evaluated:
-            logs["eval_perplexity"] = evaluation.perplexity(logs["eval_loss"])
+            for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:  # each set's, and all
+                logs[key.removesuffix("_loss") + "_perplexity"] = evaluation.perplexity(logs[key])
             if logs.get("eval_runtime"):
                 logs["eval_tokens_per_s"] = self.eval_setup.tokens / logs["eval_runtime"]
                 self.eval_speeds.append(logs["eval_tokens_per_s"])
@@ -269,9 +271,11 @@ class RecipeTrainer(TokenNormTrainer):
         finally:
             self.data_collator = collator
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         try:
-            return super().evaluate(*args, **kwargs)
+            if eval_dataset is None and isinstance(self.eval_dataset, dict):  # named eval sets: one evaluation
+                return evaluate_sets(self, self.eval_dataset, ignore_keys, metric_key_prefix)
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         except lifecycle.EvaluationStopped:  # a stop request mid-evaluation: nothing logged, the checkpoint comes next
             return {}
 
