@@ -59,6 +59,10 @@ def test_a_70_30_mixture_with_two_named_eval_sets_logs_each_and_their_token_mean
     assert "docs: " in data_line and "sums: " in data_line and "passes over its" in data_line
     assert any(line.startswith("eval docs: ") for line in console.splitlines())
     assert any(line.startswith("eval sums: ") for line in console.splitlines())
+    assert any(
+        "eval at step 2/4" in line and "| docs loss " in line and "| sums loss " in line
+        for line in console.splitlines()
+    )
     evals = [e for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_loss" in e]
     assert [e["step"] for e in evals] == [0, 2, 4]
     for e in evals:

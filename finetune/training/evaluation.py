@@ -114,7 +114,11 @@ def callbacks(cfg: Config, prompts: list) -> list[TrainerCallback]:
 
 
 def eval_line(logs: dict, step: int, max_steps: int) -> str:
+    """The console line of one evaluation: the whole (all sets') figures, then each named set's."""
     fields = [f"{label} {fmt.format(logs[key])}" for key, label, fmt in EVAL_FIELDS if logs.get(key) is not None]
+    for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]:
+        name = key.removeprefix("eval_").removesuffix("_loss")
+        fields.append(f"| {name} loss {logs[key]:.4f} ppl {perplexity(logs[key]):.2f}")
     return f"eval at step {step}/{max_steps}  " + "  ".join(fields)
 
 
