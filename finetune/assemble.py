@@ -112,7 +112,7 @@ def build(
     set_seed(cfg.train.seed)  # the same initial weights (from_config) on every rank and in every run
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
     packed = cfg.data.batching == "packed" or (held_out is not None and cfg.eval.batching == "packed")
-    if packed and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
+    if packed:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
 
     # trainer
