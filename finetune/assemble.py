@@ -128,7 +128,7 @@ def load_model(cfg: Config, folder: str, tokenizer, vision: bool, evaluating: bo
     set_seed(cfg.train.seed)
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
     packs = training_batching(cfg).packs or (evaluating and eval_batching(cfg.eval).packs)
-    if packs and not vision:  # sdpa → causal sdpa per sequence where it gives the same logits
+    if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
     return model
 

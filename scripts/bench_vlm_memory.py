@@ -7,6 +7,8 @@ Each variant runs in its own fresh process (same recipe, same rows, same seed): 
 `finetune.assemble.build`, measured on the second (the optimizer state exists by then). Reported per variant:
 - peak: the process's peak memory during that step (CUDA: max_memory_allocated; CPU: VmHWM, reset before the step);
 - activations: the largest total of tensors autograd kept for backward in one micro-batch forward (weights excluded);
+- in tower: the part of those kept while the vision tower ran (0 when frozen: it runs without autograd);
+- tower grads: the bytes of the tower's parameter gradients at the optimizer step (0 when frozen);
 and the frozen / training ratios, from this one run.
 """
 
@@ -21,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+from transformers import TrainerCallback
+
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "model.vision_tower"
 
@@ -32,68 +37,91 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+class SavedTensors:
+    """Bytes autograd keeps for backward in one micro-batch forward (weights excluded): all of them, and those kept
+    while the vision tower runs; the largest of each over the measured forwards."""
+
+    def __init__(self, model, tower):
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.now: dict[int, int] = {}
+        self.in_tower: dict[int, int] = {}
+        self.inside = False
+        self.max = self.max_tower = 0
+        model.register_forward_pre_hook(self.start)
+        model.register_forward_hook(self.end)
+        tower.register_forward_pre_hook(lambda *_: setattr(self, "inside", True))
+        tower.register_forward_hook(lambda *_: setattr(self, "inside", False))
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.weights:
+            self.now[storage.data_ptr()] = storage.nbytes()
+            if self.inside:
+                self.in_tower[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def start(self, *_):
+        self.now, self.in_tower = {}, {}
+
+    def end(self, *_):
+        self.max = max(self.max, sum(self.now.values()))
+        self.max_tower = max(self.max_tower, sum(self.in_tower.values()))
+
+
+class SecondStep(TrainerCallback):
+    """Peak memory, saved tensors and the tower's gradient bytes over the second optimizer step."""
+
+    def __init__(self, model, cuda: bool):
+        tower = next(m for n, m in model.named_modules() if n.endswith("vision_tower"))
+        self.saved, self.tower, self.cuda, self.result = SavedTensors(model, tower), tower, cuda, {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step != 1:
+            return
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.result["before_mb"] = torch.cuda.memory_allocated() / 2**20
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back so the reset peak starts low
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
+            self.result["before_mb"] = _rss_kb("VmRSS") / 1024
+        self.saved.max = self.saved.max_tower = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.saved.pack, lambda t: t)
+        self.hooks.__enter__()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 1:  # the window's gradients, before the optimizer step frees them
+            grads = [p.grad for p in self.tower.parameters() if p.grad is not None]
+            self.result["tower_grads_mb"] = sum(g.numel() * g.element_size() for g in grads) / 2**20
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != 2:
+            return
+        self.hooks.__exit__(None, None, None)
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.result["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            self.result["peak_mb"] = _rss_kb("VmHWM") / 1024
+        self.result["activations_mb"] = self.saved.max / 2**20
+        self.result["tower_activations_mb"] = self.saved.max_tower / 2**20
+
+
 def measure(overrides: list[str]) -> dict:
     """One variant, in this process: build the recipe's trainer, train two steps, measure the second."""
-    import torch
-    from transformers import TrainerCallback
-
     from finetune.assemble import build
     from finetune.recipe import load_config
 
-    cfg = load_config(overrides)
-    trainer = build(cfg)
-    model = trainer.model
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {"now": {}, "max": 0}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved["now"][storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def start_forward(*_):
-        saved["now"] = {}
-
-    def end_forward(*_):
-        saved["max"] = max(saved["max"], sum(saved["now"].values()))
-
-    model.register_forward_pre_hook(start_forward)
-    model.register_forward_hook(end_forward)
+    trainer = build(load_config(overrides))
     cuda = torch.cuda.is_available()
-    result = {}
-
-    class SecondStep(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step != 1:
-                return
-            gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                result["before_mb"] = torch.cuda.memory_allocated() / 2**20
-            else:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back so the reset peak starts low
-                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak RSS) to the current RSS
-                result["before_mb"] = _rss_kb("VmRSS") / 1024
-            saved["max"] = 0
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            self.hooks.__enter__()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step != 2:
-                return
-            self.hooks.__exit__(None, None, None)
-            if cuda:
-                torch.cuda.synchronize()
-                result["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            else:
-                result["peak_mb"] = _rss_kb("VmHWM") / 1024
-            result["activations_mb"] = saved["max"] / 2**20
-
-    trainer.add_callback(SecondStep())
+    second = SecondStep(trainer.model, cuda)
+    trainer.add_callback(second)
     trainer.train()
-    result["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    result = second.result
+    result.setdefault("tower_grads_mb", 0.0)
+    result["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["device"] = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     return result
 
@@ -131,11 +159,14 @@ def main(argv: list[str]) -> int:
             results[name] = json.loads(line[len("RESULT ") :])
     frozen, training = results["frozen"], results["training"]
     print(f"VLM training-step memory, {' '.join(recipe + user) or 'recipes/vlm.yaml'}; {frozen['device']}")
-    print(f"{'tower':<10}{'trainable':>14}{'peak MB':>12}{'step growth MB':>16}{'activations MB':>16}")
+    print(
+        f"{'tower':<10}{'trainable':>14}{'peak MB':>12}{'step growth MB':>16}{'activations MB':>16}"
+        f"{'in tower MB':>13}{'tower grads MB':>16}"
+    )
     for name, r in results.items():
         print(
             f"{name:<10}{r['trainable_params']:>14,}{r['peak_mb']:>12.1f}{r['peak_mb'] - r['before_mb']:>16.1f}"
-            f"{r['activations_mb']:>16.1f}"
+            f"{r['activations_mb']:>16.1f}{r['tower_activations_mb']:>13.2f}{r['tower_grads_mb']:>16.2f}"
         )
     print(
         f"ratio frozen/training: peak {frozen['peak_mb'] / training['peak_mb']:.3f}, step growth "

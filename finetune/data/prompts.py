@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data.images import image_base_dir, open_image
 from finetune.data.sources import BadRow, Record
 from finetune.data.text import parse_row, render_chat
-from finetune.data.vision import _base_dir, open_image, parse_vision_row
+from finetune.data.vision import parse_vision_row
 
 
 @dataclass
@@ -68,7 +69,7 @@ def _held_out(where: str, record: Any, fmt: str, tokenizer, vision: bool) -> tup
     text = render_chat(tokenizer, prompt, True)
     images = []
     if vision:
-        base = _base_dir(where)
+        base = image_base_dir(where)
         images = [open_image(ref, base) for ref in refs][: text.count(getattr(tokenizer, "image_token", "<image>"))]
     users = [m for m in prompt if m["role"] == "user"] or prompt
     return (

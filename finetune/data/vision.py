@@ -15,14 +15,12 @@ rendering goes through the processor, so placeholders are expanded exactly as at
 
 from __future__ import annotations
 
-import io
-import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from finetune.data.images import image_base_dir, open_image, stored_image, stored_ref
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.data.text import CHAT_ROLES, blank_tokens, check_text, check_turns, detect_format, render_chat, row_labels
 from finetune.labels import IGNORE_INDEX, target_count
@@ -40,54 +38,6 @@ IMAGE_TOKEN_NAMES = (
     "vision_start_token",
     "vision_end_token",
 )
-
-
-# ---- images ----
-
-
-def open_image(ref: Any, base: Path | None = None):
-    """A PIL RGB image from a PIL image, a path (relative to `base`), bytes, or a datasets {"bytes", "path"} dict."""
-    from PIL import Image
-
-    if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
-    if isinstance(ref, dict):
-        ref = ref.get("bytes") or ref.get("path")
-    if isinstance(ref, (bytes, bytearray)):
-        source, name = io.BytesIO(ref), "encoded image"
-    elif isinstance(ref, (str, os.PathLike)) and str(ref):
-        path = Path(ref).expanduser()
-        source = name = str(path if path.is_absolute() or base is None else base / path)
-        if not Path(source).is_file():
-            raise BadRow(f"image {name} not found")
-    else:
-        raise BadRow(f"image is {type(ref).__name__}, not a path, bytes or a PIL image")
-    try:
-        with Image.open(source) as image:
-            return image.convert("RGB")  # decodes now: a truncated or corrupt file fails here, naming its row
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        why = first_line(e)
-        raise BadRow(f"image {name} cannot be read ({why})") from None
-
-
-def stored_image(ref: Any, image, base: Path | None) -> dict:
-    """What the dataset keeps: the file's absolute path, or encoded bytes (PNG for in-memory images)."""
-    if isinstance(ref, dict) and ref.get("bytes"):
-        return {"bytes": ref["bytes"], "path": None}
-    if isinstance(ref, (bytes, bytearray)):
-        return {"bytes": bytes(ref), "path": None}
-    if isinstance(ref, (str, dict)):
-        path = Path(ref if isinstance(ref, str) else ref["path"]).expanduser()
-        return {"bytes": None, "path": str(path if path.is_absolute() or base is None else (base / path).resolve())}
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return {"bytes": buffer.getvalue(), "path": None}
-
-
-def _base_dir(where: str) -> Path | None:
-    """Relative image paths are relative to the file the row came from ("data/train.jsonl line 7")."""
-    match = re.match(r"(.*) (?:line|row|item) \d+$", where)
-    return Path(match.group(1)).parent if match and Path(match.group(1)).is_file() else None
 
 
 # ---- rows ----
@@ -192,8 +142,6 @@ def vision_records(data: DataConfig, report: DataReport) -> list[Record]:
 def load_vision_dataset(data: DataConfig, processor, records: list[Record] | None = None):
     """(datasets.Dataset with input_ids, labels, images, row; DataReport), from data.source or from `records` already
     read (finetune/data/heldout.py splits them into training and held-out rows)."""
-    import datasets
-
     report = DataReport(source=data.source, format="messages+images")
     if records is None:
         records = vision_records(data, report)
@@ -204,32 +152,20 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
     image_token = getattr(processor, "image_token", "<image>")
     columns: dict[str, list] = {"input_ids": [], "labels": [], "images": [], "row": [], "length": []}
     for where, record in records:
-        base = _base_dir(where)
+        base = image_base_dir(where)
         try:
             messages, refs = parse_vision_row(record, image_token)
-            opened = []
-            for k, ref in enumerate(refs, 1):
-                try:
-                    opened.append(open_image(ref, base))
-                except BadRow as e:
-                    raise BadRow(f"image {k} of {len(refs)}: {e}") from None
+            check_images_per_row(data, where, len(refs))
+            opened = open_images(refs, base)
             ids, labels = encode_row(processor, messages, opened, data.loss_on, blank)
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue
         labels = [IGNORE_INDEX if t in image_ids else label for t, label in zip(ids, labels)]
-        if len(ids) > data.max_length:
-            last_image = max((i for i, t in enumerate(ids) if t in image_ids), default=-1)
-            if data.truncation == "error":
-                raise RecipeError(
-                    f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
-                    "data.max_length or set data.truncation=right (cut) or drop"
-                )
-            if data.truncation == "drop" or last_image >= data.max_length:  # never cut through an image's tokens
-                report.dropped_over_length += 1
-                continue
-            ids, labels = ids[: data.max_length], labels[: data.max_length]
-            report.truncated += 1
+        fitted = fit_length(data, where, ids, labels, image_ids, report)
+        if fitted is None:
+            continue
+        ids, labels = fitted
         targets = target_count(labels)
         if not targets:
             report.dropped_no_supervised_tokens += 1
@@ -244,6 +180,55 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
     report.rows_kept = len(columns["input_ids"])
     if not report.rows_kept:
         raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
+    return vision_dataset(columns), report
+
+
+def check_images_per_row(data: DataConfig, where: str, images: int) -> None:
+    """Packed rows take at most one image per row: each packed sequence then owns exactly one entry of the batch's
+    image tensors, in order, whatever way a processor groups several images of one row."""
+    if data.batching == "packed" and images > 1:
+        raise RecipeError(
+            f"{where}: {images} images in one row; data.batching=packed takes rows of at most one image: split the "
+            "row, or use data.batching=padded or token_budget"
+        )
+
+
+def open_images(refs: list, base: Path | None) -> list:
+    opened = []
+    for k, ref in enumerate(refs, 1):
+        try:
+            opened.append(open_image(ref, base))
+        except BadRow as e:
+            raise BadRow(f"image {k} of {len(refs)}: {e}") from None
+    return opened
+
+
+def fit_length(data: DataConfig, where: str, ids: list, labels: list, image_ids: set[int], report: DataReport):
+    """(ids, labels) within data.max_length per data.truncation, or None (dropped, counted). A cut never goes
+    through an image's tokens: an image that does not fit is an error naming the row (data.truncation=drop drops)."""
+    if len(ids) <= data.max_length:
+        return ids, labels
+    if data.truncation == "error":
+        raise RecipeError(
+            f"{where}: {len(ids)} tokens, longer than data.max_length={data.max_length}; raise "
+            "data.max_length or set data.truncation=right (cut) or drop"
+        )
+    if data.truncation == "drop":
+        report.dropped_over_length += 1
+        return None
+    last_image = max((i for i, t in enumerate(ids) if t in image_ids), default=-1)
+    if last_image >= data.max_length:
+        raise RecipeError(
+            f"{where}: its image tokens end at token {last_image + 1}, past data.max_length={data.max_length} "
+            "(an image's tokens cannot be cut); raise data.max_length or set data.truncation=drop"
+        )
+    report.truncated += 1
+    return ids[: data.max_length], labels[: data.max_length]
+
+
+def vision_dataset(columns: dict[str, list]):
+    import datasets
+
     features = datasets.Features(
         {
             "input_ids": [datasets.Value("int32")],
@@ -253,7 +238,7 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
             "length": datasets.Value("int32"),
         }
     )
-    return datasets.Dataset.from_dict(columns, features=features), report
+    return datasets.Dataset.from_dict(columns, features=features)
 
 
 # ---- batches ----
@@ -273,16 +258,16 @@ class VisionCollator:
         images = []
         for row in rows:
             try:
-                images.append([open_image(_as_ref(ref)) for ref in row["images"]])
+                images.append([open_image(stored_ref(ref)) for ref in row["images"]])
             except BadRow as e:
                 raise RecipeError(f"{row['row']}: {e}") from None
         text = [[{k: v for k, v in r.items() if k not in EXTRA_COLUMNS} for r in group] for group in groups]
         batch = self.text_collator(text if nested else text[0])
-        if any(images):
+        if any(images):  # in row order: a packed row's image tokens meet its images' features in the same order
             pixels = self.image_processor(images, return_tensors="pt")
             batch.update({k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)})
+        if "position_ids" in batch:
+            # packed rows: with a KV cache transformers ignores the restarting position_ids and attends across the
+            # row's sequences; a VLM's forward takes use_cache through **kwargs, where the trainer does not see it
+            batch["use_cache"] = False
         return batch
-
-
-def _as_ref(stored: dict):
-    return stored.get("bytes") or stored.get("path")

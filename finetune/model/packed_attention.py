@@ -1,22 +1,20 @@
 """Per-sequence attention for packed rows: torch sdpa with `is_causal` on each sequence's slice of the row.
 
 A packed row (`data.batching: packed`) holds several sequences whose position_ids restart at each one. Under `sdpa`,
-transformers builds a block-diagonal causal mask from the position_ids and attends over the whole row: T_row² work per
-head and layer, most of it masked out, and a masked call that cannot use sdpa's fused causal kernels. `packed_sdpa`
-(registered in transformers' AttentionInterface) attends within each sequence instead: Σ T_i² work, no mask, the same
-numbers. `finetune.assemble.build` switches a text model from `sdpa` to it when `data.batching` is packed, after
-checking on a small packed probe that its logits equal sdpa's (a start-up line says which ran). flash_attention_2
-(CUDA) runs varlen on packed rows already, from the collator's `cu_seq_lens_q/k`, and is left alone; any other
-implementation is left alone too.
+transformers builds a block-diagonal causal mask from the position_ids and attends over the whole row (T_row² work,
+mostly masked, and no fused causal kernel). `packed_sdpa` (registered in transformers' AttentionInterface) attends
+within each sequence instead: Σ T_i² work, no mask, the same numbers. `finetune.assemble.build` switches a text model,
+or a VLM's language model (its vision tower keeps its own attention), from `sdpa` to it for packed rows once a small
+packed probe shows the same logits as sdpa's (a start-up line says which ran). Other implementations (flash_attention_2
+runs varlen from the collator's `cu_seq_lens_q/k` already) are left alone.
 
-On CUDA the per-sequence loop is launch-bound (one sdpa per sequence and layer, forward and backward), so a packed row
-there goes to one varlen kernel call per layer (torch's `varlen_attn`, finetune/model/varlen_attention.py) fed by the
-bounds the collator made once per micro-batch. Where that kernel is missing (torch before 2.10: one warning at start)
-or cannot take a call (float32 without autocast, attention dropout, a batch without the collator's bounds: one warning
-per reason), the loop runs: the same numbers, slower.
+On CUDA the per-sequence loop is launch-bound, so a packed row there goes to one varlen kernel call per layer (torch's
+`varlen_attn`, finetune/model/varlen_attention.py) fed by the bounds the collator made once per micro-batch. Where that
+kernel is missing (torch < 2.10: one warning) or cannot take a call (float32 without autocast, attention dropout, no
+bounds from the collator: one warning per reason), the loop runs: the same numbers, slower.
 
-Where it applies: its mask function returns no mask only for a causal call without a padding mask, sliding window,
-chunk, overlay or KV-cache offset (a plain or a packed row); every other call gets sdpa's mask and runs as sdpa.
+Its mask function returns no mask only for a causal call without a padding mask, sliding window, chunk, overlay or
+KV-cache offset (a plain or a packed row); every other call gets sdpa's mask and runs as sdpa.
 """
 
 from __future__ import annotations
@@ -158,16 +156,9 @@ def packed_sdpa_mask(
     # `and_mask` without vmap is transformers' packed-sequence wrapper of the causal mask (custom and-masks use vmap)
     packed = getattr(mask_function, "__name__", None) == "and_mask" and not use_vmap
     causal = packed or (mask_function is causal_mask_function and allow_is_causal_skip)
-    plain = (
-        attention_mask is None
-        and local_size is None
-        and "allow_is_bidirectional_skip" not in kwargs
-        and q_length == kv_length
-        and isinstance(q_offset, int)
-        and isinstance(kv_offset, int)
-        and q_offset == kv_offset == 0
-    )
-    if causal and plain:
+    plain = attention_mask is None and local_size is None and "allow_is_bidirectional_skip" not in kwargs
+    plain = plain and q_length == kv_length and isinstance(q_offset, int) and isinstance(kv_offset, int)
+    if causal and plain and q_offset == kv_offset == 0:
         return None
     return sdpa_mask(
         batch_size=batch_size,
@@ -228,11 +219,15 @@ def register(attention: PackedAttention | None = None, name: str = NAME) -> Pack
 
 
 def probe_batch(model) -> dict:
-    """A packed row of PROBE_LENGTHS sequences of in-vocabulary ids, on the model's device."""
+    """A packed row of PROBE_LENGTHS sequences of in-vocabulary ids (no image placeholder), on the model's device."""
     vocab = model.get_input_embeddings().num_embeddings
     total = sum(PROBE_LENGTHS)
     device = next(model.parameters()).device
     ids = (torch.arange(total, device=device) * 7919 + 3) % max(vocab - 1, 1) + 1  # spread over the vocabulary
+    for name in ("image_token_id", "image_token_index", "video_token_id"):  # a VLM would ask for image features
+        special = getattr(model.config, name, None)
+        if isinstance(special, int):
+            ids = torch.where(ids == special, 1, ids)
     positions = torch.cat([torch.arange(n, device=device) for n in PROBE_LENGTHS])
     return {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False}
 
@@ -241,6 +236,7 @@ def probe_error(model) -> str | None:
     """Why `packed_sdpa` would not give sdpa's logits on a small packed row (None: it does, to rounding)."""
     batch = probe_batch(model)
     training = model.training
+    text = model.config.get_text_config()  # a VLM's language model only: its vision tower keeps its own attention
     logits = {}
     try:
         model.eval()
@@ -249,12 +245,12 @@ def probe_error(model) -> str | None:
         # gives each rank its device.
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for implementation in ("sdpa", NAME):
-                model.config._attn_implementation = implementation
+                text._attn_implementation = implementation
                 logits[implementation] = model(**batch).logits.float()
     except Exception as e:  # an architecture it does not fit: keep sdpa
         return f"{type(e).__name__}: {first_line(e)}"
     finally:
-        model.config._attn_implementation = "sdpa"
+        text._attn_implementation = "sdpa"
         model.train(training)
     reference = logits["sdpa"]
     tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2  # 16-bit: rounding of its own
@@ -280,21 +276,22 @@ def config_reason(config) -> str | None:
 
 
 def use_for_packed_rows(model) -> str:
-    """Switch a text model on `sdpa` to `packed_sdpa` where a probe shows the same logits; the start-up line."""
-    current = model.config._attn_implementation
+    """Switch a text model (a VLM: its language model) on `sdpa` to `packed_sdpa` where a probe shows the same logits;
+    the start-up line."""
+    text = model.config.get_text_config()
+    current = text._attn_implementation
     if current != "sdpa":
         return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
     attention = register()
-    reason = config_reason(model.config) or probe_error(model)
+    reason = config_reason(text) or probe_error(model)
     if reason is not None:
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
-    model.config._attn_implementation = NAME
+    text._attn_implementation = NAME
     if attention.varlen is None and torch.cuda.is_available():
         logger.warning(
-            f"attention '{NAME}': torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn, "
-            "so packed rows on CUDA run causal sdpa per sequence (one call per sequence and layer); "
-            "torch>=2.10 runs one varlen kernel per layer, as does model.attn_implementation="
-            "flash_attention_2 where flash-attn is installed"
+            f"attention '{NAME}': torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn, so packed "
+            "rows on CUDA run causal sdpa per sequence and layer; torch>=2.10 runs one varlen kernel per layer, as "
+            "does model.attn_implementation=flash_attention_2 where flash-attn is installed"
         )
     on_cuda = "; on CUDA one varlen_attn call per layer" if attention.varlen is not None else ""
     return (

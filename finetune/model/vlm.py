@@ -15,30 +15,66 @@ from finetune.env import is_main_process
 from finetune.model.freeze import freeze
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
-from finetune.recipe import Config, ModelConfig, RecipeError, first_line
+from finetune.recipe import Config, ModelConfig, RecipeError, evaluates, first_line
 
 SHAPES = "shapes_captions"
 
 
 def is_vlm(cfg: Config, folder: str) -> bool:
     """A recipe trains a VLM when it assembles one (model.vision_config) or its model's config has a vision part."""
-    vision = bool(cfg.model.vision_config)
-    if not vision:
+    config = None
+    if not cfg.model.vision_config:
         from transformers import AutoConfig
 
         try:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-        except (OSError, ValueError):  # models.load_model reports an unloadable model
+        except (OSError, ValueError):  # finetune.model.loading.load_model reports an unloadable model
             config = None
-        vision = getattr(config, "vision_config", None) is not None
-    if vision and getattr(cfg.data, "streaming", False):
+    vision = bool(cfg.model.vision_config) or getattr(config, "vision_config", None) is not None
+    if vision and cfg.data.streaming:
         raise RecipeError("data.streaming=true reads text rows only; a VLM recipe needs data.streaming=false")
     if not vision and cfg.data.source == SHAPES:
         raise RecipeError(
             f"data.source={SHAPES} is an image set and model.name_or_path={cfg.model.name_or_path} is a text model; "
             "set model.vision_config (see recipes/vlm.yaml) or use a vision-language model"
         )
+    if vision and config is not None:  # the assembled LLaVA (model.vision_config) packs
+        check_packing(cfg, config)
     return vision
+
+
+def packing_refusal(config) -> str | None:
+    """Why packed image rows would not be exact for this VLM class (None: its image features fill the image tokens'
+    embeddings and its language model reads plain 1-D positions and a causal mask, as LLaVA's)."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    try:
+        forward = inspect.signature(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)].forward).parameters
+    except (KeyError, ValueError):
+        return f"{type(config).__name__} is not a transformers image-text model whose positions and masks are known"
+    if "mm_token_type_ids" in forward:  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V
+        return (
+            "it computes its own rotary positions (mrope: a 3-D grid per image) from each whole row, so position "
+            "ids restarting per packed sequence would misplace its image tokens"
+        )
+    if "token_type_ids" in forward:
+        return "its image tokens attend to each other both ways (token_type_ids), a mask packed rows do not carry"
+    return None
+
+
+def check_packing(cfg: Config, config) -> None:
+    """Refuse packed image rows (training or evaluation) for a VLM that cannot pack them exactly."""
+    asked = ["data.batching"] if cfg.data.batching == "packed" else []
+    if evaluates(cfg) and cfg.eval.batching == "packed":
+        asked.append("eval.batching")
+    why = packing_refusal(config) if asked else None
+    if why:
+        raise RecipeError(
+            f"model.name_or_path={cfg.model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
+            f"its image rows exactly: {why}; set {' and '.join(k + '=padded' for k in asked)} (or token_budget)"
+        )
 
 
 # ---- loading ----

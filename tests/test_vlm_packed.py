@@ -1,0 +1,227 @@
+"""Packed image-text rows: exact against the float64 per-row reference (unpadded, one row at a time), their images in
+order, position ids restarting per row, attention within each row; `verify` on a packed VLM recipe; and the bad
+input of packing (several images in a row, an image past data.max_length, a VLM that cannot pack) as one line."""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from finetune import TokenNormTrainer
+from finetune.data import shapes_captions
+from finetune.data.batching import row_collator
+from finetune.data.images import open_image
+from finetune.data.vision import VisionCollator, load_vision_dataset
+from finetune.model.llava import IMAGE_TOKEN, image_tokenizer, llava_processor
+from finetune.model.packed_attention import use_for_packed_rows
+from finetune.recipe import DataConfig, RecipeError
+from finetune.tools import verify
+from tests.reference import reference_gradient, relative_error
+from tests.test_data import smollm2_folder
+from tests.test_vlm import prepared, tiny_llava
+from tests.toy import SnapshotCallback, sgd_args, tiny_qwen_vl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def proc():
+    tokenizer = image_tokenizer(AutoTokenizer.from_pretrained(str(smollm2_folder())))
+    return llava_processor(tokenizer, image_size=32, patch_size=16)
+
+
+class WithoutNoCache:
+    """The collator as it was before packed image rows were exact: a KV cache on, so transformers ignores the
+    restarting position_ids and attention crosses the packed rows (the check below must see it)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, rows):
+        batch = self.inner(rows)
+        batch.pop("use_cache", None)
+        return batch
+
+
+class Recording:
+    def __init__(self, inner):
+        self.inner, self.batches, self.packed = inner, [], []
+
+    def __call__(self, rows):
+        self.batches.append([dict(r) for r in rows])
+        batch = self.inner(rows)
+        self.packed.append(batch)
+        return batch
+
+
+def packed_rows(proc):
+    """Short shapes_captions rows (one image each) and one image-less row, in a fixed order."""
+    import datasets
+
+    shapes, _ = load_vision_dataset(DataConfig(source="shapes_captions", limit=16, batching="packed"), proc)
+    order = sorted(range(len(shapes)), key=lambda k: len(shapes[k]["input_ids"]))[:5]
+    chat = {"messages": [{"role": "user", "content": "Name a shape."}, {"role": "assistant", "content": "A circle."}]}
+    plain, _ = load_vision_dataset(DataConfig(source="x", batching="packed"), proc, [("text row", chat)])
+    rows = shapes.select(order[:2]).to_list() + plain.to_list() + shapes.select(order[2:]).to_list()
+    return datasets.Dataset.from_list(rows, features=shapes.features)
+
+
+@pytest.mark.parametrize("attention", ["packed_sdpa", "sdpa", "sdpa_with_cache"])
+def test_packed_image_rows_match_the_float64_per_row_reference(proc, attention, tmp_path):
+    """Tower, projector and language model all train (a misplaced image would move their gradients); 3 rows per
+    packed row, 2 packed rows per window."""
+    initial = prepared(proc)
+    model = copy.deepcopy(initial)
+    if attention == "packed_sdpa":
+        assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
+        assert model.config.vision_config._attn_implementation == "sdpa"  # the tower keeps its own attention
+    inner = VisionCollator(row_collator(DataConfig(batching="packed"), proc.tokenizer), proc)
+    collator = Recording(WithoutNoCache(inner) if attention == "sdpa_with_cache" else inner)
+    trainer = TokenNormTrainer(
+        model=model,
+        train_dataset=packed_rows(proc),
+        data_collator=collator,
+        args=sgd_args(tmp_path, 3, 2, train_sampling_strategy="sequential"),
+    )
+    snapshots = SnapshotCallback()
+    trainer.add_callback(snapshots)
+    trainer.train()
+
+    image_id = proc.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    for rows, batch in zip(collator.batches, collator.packed):
+        assert batch["input_ids"].shape[0] == 1  # one packed row
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        assert starts == [0, *torch.tensor([len(r["input_ids"]) for r in rows]).cumsum(0)[:-1].tolist()]
+        images = [img for r in rows for img in r["images"]]
+        assert int((batch["input_ids"] == image_id).sum()) == 4 * len(images) == batch["pixel_values"].shape[0] * 4
+        expected = proc.image_processor([open_image(i["bytes"] or i["path"]) for i in images], return_tensors="pt")
+        assert torch.equal(batch["pixel_values"], expected["pixel_values"])  # the rows' images, in row order
+    assert [len(r["images"]) for r in collator.batches[0]] == [1, 1, 0]
+
+    def forward(model, seq):
+        pixels = {}
+        if seq["images"]:
+            images = [open_image(ref["bytes"] or ref["path"]) for ref in seq["images"]]
+            pixels["pixel_values"] = proc.image_processor(images, return_tensors="pt")["pixel_values"].double()
+        return model(input_ids=torch.tensor([seq["input_ids"]]), **pixels).logits
+
+    windows = [collator.batches[0] + collator.batches[1]]
+    errors = []
+    for k, window in enumerate(windows):
+        reference = copy.deepcopy(initial)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(snapshots.snapshots[k][name])
+        grads, _ = reference_gradient(reference, window, forward)
+        applied = {n: snapshots.snapshots[k][n] - snapshots.snapshots[k + 1][n] for n in grads}
+        errors.append(relative_error(applied, grads))
+    if attention == "sdpa_with_cache":
+        assert min(errors) > 1e-2  # the check fails where attention crosses the packed rows
+    else:
+        assert max(errors) <= 1e-5
+
+
+def test_several_images_in_a_packed_row_and_an_image_past_max_length_name_the_row(proc, tmp_path):
+    two = {
+        "images": [shapes_captions.render(shapes_captions.scene(k)) for k in range(2)],
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
+            {"role": "assistant", "content": "Two pictures."},
+        ],
+    }
+    records = [("rows.jsonl line 3", two)]
+    with pytest.raises(RecipeError, match=r"^rows\.jsonl line 3: 2 images in one row; data\.batching=packed takes"):
+        load_vision_dataset(DataConfig(source="x", batching="packed"), proc, records)
+    ds, _ = load_vision_dataset(DataConfig(source="x", batching="padded"), proc, records)  # padded rows take them
+    assert len(ds[0]["images"]) == 2
+    one = shapes_captions.row(0)
+    with pytest.raises(RecipeError, match=r"^rows\.jsonl line 1: its image tokens end at token \d+, past data\."):
+        load_vision_dataset(DataConfig(source="x", max_length=3), proc, [("rows.jsonl line 1", one)])
+    with pytest.raises(RecipeError, match=r"longer than data\.max_length=3"):  # truncation=error: the row's length
+        load_vision_dataset(
+            DataConfig(source="x", max_length=3, truncation="error"), proc, [("rows.jsonl line 1", one)]
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_folder(proc, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_vlm")
+    tiny_llava(proc).save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.e2e
+def test_verify_passes_on_packed_image_rows(tiny_vlm_folder, capsys):
+    code = verify.main(
+        [
+            f"model.name_or_path={tiny_vlm_folder}",
+            "data.source=shapes_captions",
+            "data.limit=24",
+            "data.batching=packed",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=8",
+            "train.max_steps=1",
+            "optim.name=sgd",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "attention: packed_sdpa" in out
+    error = float(re.search(r"^  relative error (\S+)", out, flags=re.M).group(1))
+    assert error <= 1e-5
+
+
+def one_error_line(args: list[str], tmp_path: Path) -> str:
+    """Run the training command; its one `error:` line (exit 2, no traceback, nothing written)."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "finetune/train.py", *args, f"train.output_dir={out}", "log.wandb_mode=disabled"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]
+    assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
+    return errors[0]
+
+
+@pytest.mark.subprocess
+def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
+    qwen = tmp_path / "qwen"
+    tiny_qwen_vl().save_pretrained(qwen)
+    line = one_error_line(
+        [f"model.name_or_path={qwen}", "data.source=shapes_captions", "data.batching=packed"], tmp_path
+    )
+    assert re.match(
+        r"^error: model\.name_or_path=\S+qwen: data\.batching=packed cannot pack its image rows exactly: it computes "
+        r"its own rotary positions \(mrope.*; set data\.batching=padded \(or token_budget\)$",
+        line,
+    ), line
+    rows = tmp_path / "rows.jsonl"
+    for k in range(2):
+        shapes_captions.render(shapes_captions.scene(k)).save(tmp_path / f"{k}.png")
+    two = {
+        "images": ["0.png", "1.png"],
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
+            {"role": "assistant", "content": "Two pictures."},
+        ],
+    }
+    rows.write_text(json.dumps(two) + "\n")
+    base = [f"model.name_or_path={tiny_vlm_folder}", f"data.source={rows}"]
+    line = one_error_line([*base, "data.batching=packed"], tmp_path)
+    assert re.match(r"^error: \S+rows\.jsonl line 1: 2 images in one row; data\.batching=packed takes rows", line)
+    line = one_error_line([*base, "data.max_length=5"], tmp_path)
+    assert re.match(r"^error: \S+rows\.jsonl line 1: its image tokens end at token \d+, past data\.max_length=5", line)
