@@ -20,7 +20,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from tests.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
+from finetune.tools.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
 
 TAGS = 5
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from finetune import TokenNormTrainer
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import train_recording
-from tests.toy import ragged_rows, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import ragged_rows, tiny_llama, train_recording
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,17 +11,17 @@ from torch import nn
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from tests.dropin_models import KINDS, FallbackModule, PadEachCollator
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at
-from tests.toy import (
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import (
     RecordingCollator,
     SnapshotCallback,
+    model_at,
     ragged_rows,
     sgd_args,
     tiny_llama,
     tiny_qwen_vl,
 )
+from tests.dropin_models import KINDS, FallbackModule, PadEachCollator
 
 
 def args_with(out, micro, accumulation, **changes):

@@ -19,7 +19,7 @@ from finetune.data.heldout import QUESTION_MODULE, eval_groups, pad_for_ranks, s
 from finetune.data.sources import DataReport, read_records
 from finetune.recipe import DataConfig, load_config
 from finetune.tools import train
-from tests.reference import reference_gradient
+from finetune.tools.reference import reference_gradient
 from tests.test_data import chat, write_jsonl
 from tests.test_vlm import processor, tiny_vlm_folder  # noqa: F401  (fixtures)
 from tests.wandb_reader import read_run

@@ -12,9 +12,9 @@ import pytest
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
+from finetune.tools.reference import reference_gradient
+from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 from tests.dropin_models import KINDS, PadEachCollator
-from tests.reference import reference_gradient
-from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reference import reference_gradient, relative_error
-from tests.toy import ragged_rows, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import ragged_rows, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch

@@ -18,10 +18,9 @@ from finetune.data.batching import row_collator
 from finetune.model.packed_attention import PackedAttention, register
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
 from finetune.recipe import DataConfig
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows
 from tests.test_varlen_attention import per_sequence
-from tests.toy import VOCAB, SnapshotCallback, ragged_rows
 
 pytestmark = [
     pytest.mark.gpu,

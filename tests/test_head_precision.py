@@ -16,9 +16,8 @@ import torch.nn.functional as F
 
 from finetune import TokenNormTrainer
 from finetune.loss import head_cross_entropy_sum, next_token_targets
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at, step_errors, train_recording
-from tests.toy import ragged_rows, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import model_at, ragged_rows, step_errors, tiny_llama, train_recording
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}

@@ -193,7 +193,7 @@ def test_fsdp2_bf16_accumulates_and_reduces_gradients_in_float32(tmp_path):
     import sys
     from pathlib import Path
 
-    from tests.reference import relative_error
+    from finetune.tools.reference import relative_error
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "precision.pt"
@@ -440,8 +440,8 @@ def test_bf16_weights_without_a_float32_copy_are_a_warning_not_an_error(tmp_path
 def test_resume_shapes_of_a_zero3_partitioned_model_are_the_whole_shapes():
     """zero.Init leaves each rank an empty partition of every weight: the shapes a checkpoint is checked against are
     the parameters' ds_shape, not the empty tensors' (a resume would be refused as another model)."""
+    from finetune.tools.toy import tiny_llama
     from finetune.training.checkpoints import _model_shapes
-    from tests.toy import tiny_llama
 
     model = tiny_llama()
     whole, _ = _model_shapes(model, adapter=False)

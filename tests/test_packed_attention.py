@@ -9,10 +9,9 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 from finetune import TokenNormTrainer
 from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, use_for_packed_rows
-from tests.reference import reference_gradient, relative_error
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
 from tests.test_batching import RecordingFlattening
-from tests.test_trainer import model_at
-from tests.toy import VOCAB, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 
 
 def tiny_mha(seed: int = 0) -> LlamaForCausalLM:

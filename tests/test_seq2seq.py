@@ -14,9 +14,9 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from finetune import TokenNormSeq2SeqTrainer, TokenNormTrainer
+from finetune.tools.reference import reference_gradient
+from finetune.tools.toy import VOCAB
 from tests.dropin_models import PadEachCollator, decoder_logits_alone, seq2seq_rows, tiny_t5
-from tests.reference import reference_gradient
-from tests.toy import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 

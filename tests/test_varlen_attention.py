@@ -15,10 +15,9 @@ from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, PackedAttention
 from finetune.model.varlen_attention import VarlenKernel
 from finetune.recipe import DataConfig
-from tests.reference import reference_gradient, relative_error
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
 from tests.test_packed_attention import alone_logits, rows_with_short_ones, tiny_mha, with_attention
-from tests.test_trainer import model_at
-from tests.toy import SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 
 VARLEN_ON_CPU = "packed_varlen_reference"
 

@@ -27,9 +27,9 @@ from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
 from finetune.model.llava import IMAGE_TOKEN, image_tokenizer, llava_processor
 from finetune.model.vlm import is_vlm, prepare_vlm
 from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
-from tests.reference import reference_gradient, relative_error
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 from tests.test_data import smollm2_folder, write_jsonl
-from tests.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|im_end|>"

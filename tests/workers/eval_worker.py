@@ -6,7 +6,7 @@ import sys
 
 from finetune import TokenNormTrainer
 from finetune.env import exit_process
-from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 
 def main(out: str, trainer_dir: str) -> None:
