@@ -9,16 +9,7 @@ from transformers import DataCollatorWithFlattening
 from finetune import TokenNormTrainer
 from finetune.tools.reference import reference_gradient, relative_error
 from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
-
-
-class RecordingFlattening(DataCollatorWithFlattening):
-    def __init__(self):
-        super().__init__(return_position_ids=True, separator_id=-100)
-        self.batches = []
-
-    def __call__(self, rows, *args, **kwargs):
-        self.batches.append([dict(r) for r in rows])
-        return super().__call__(rows, *args, **kwargs)
+from tests.attention import RecordingFlattening
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

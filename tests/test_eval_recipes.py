@@ -20,7 +20,8 @@ from finetune.data.sources import DataReport, read_records
 from finetune.recipe import DataConfig, load_config
 from finetune.tools import train
 from finetune.tools.reference import reference_gradient
-from tests.test_data import chat, write_jsonl
+from tests.data_files import chat, write_jsonl
+from tests.launch import TWO_RANKS
 from tests.test_vlm import processor, tiny_vlm_folder  # noqa: F401  (fixtures)
 from tests.wandb_reader import read_run
 
@@ -396,19 +397,7 @@ def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
     for cmd in (
         [sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
         [
-            str(Path(sys.executable).with_name("accelerate")),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "finetune/train.py",
             *common,
             f"train.output_dir={two}",

@@ -29,7 +29,7 @@ from finetune.model.vlm import is_vlm, prepare_vlm
 from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
 from finetune.tools.reference import reference_gradient, relative_error
 from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
-from tests.test_data import smollm2_folder, write_jsonl
+from tests.data_files import smollm2_folder, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|im_end|>"
