@@ -172,16 +172,19 @@ def sgd_args(output_dir, micro: int, accumulation: int, max_steps: int = -1, max
     )
 
 
-def train_recording(trainer_cls, model, rows, output_dir, micro, accumulation, **args):
-    """Train `model` on `rows` with SGD lr 1. Returns (trainer, each window's rows, the parameters before training and
-    after each step)."""
-    collator, snapshots = RecordingCollator(), SnapshotCallback()
+def train_recording(
+    trainer_cls, model, rows, output_dir, micro, accumulation, collator=None, trainer_kwargs=None, **args
+):
+    """Train `model` on `rows` with SGD lr 1 (`args`: more TrainingArguments). Returns (trainer, each window's rows,
+    the parameters before training and after each step). `collator`: a RecordingCollator (or one that records alike)."""
+    collator, snapshots = collator or RecordingCollator(), SnapshotCallback()
     trainer = trainer_cls(
         model=model,
         args=sgd_args(output_dir, micro, accumulation, **args),
         train_dataset=rows,
         data_collator=collator,
         callbacks=[snapshots],
+        **(trainer_kwargs or {}),
     )
     trainer.train()
     windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
@@ -197,13 +200,14 @@ def model_at(initial, snapshot):
     return model
 
 
-def step_errors(initial, windows, snapshots):
-    """Per optimizer step: (relative error of the applied gradient, reference token-mean loss)."""
+def step_errors(initial, windows, snapshots, **reference):
+    """Per optimizer step: (relative error of the applied gradient, reference token-mean loss). `reference`: how the
+    reference reads the model (`forward`, `shift`, `label_smoothing` of `reference_gradient`)."""
     if len(snapshots) != len(windows) + 1:
         raise ValueError(f"{len(snapshots)} parameter snapshots for {len(windows)} windows: one per step, plus one")
     results = []
     for k, window in enumerate(windows):
-        grads, loss = reference_gradient(model_at(initial, snapshots[k]), window)
+        grads, loss = reference_gradient(model_at(initial, snapshots[k]), window, **reference)
         applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}
         results.append((relative_error(applied, grads), loss))
     return results
