@@ -102,7 +102,12 @@ class TokenNormTrainer(Trainer):
         self._forward_needs_labels = labels_param is not None and labels_param.default is inspect.Parameter.empty
         # Training never reads a KV cache, and with one transformers does not derive the block-diagonal mask of
         # packed rows from their position_ids (attention would cross sequences).
-        self._no_cache = {"use_cache": False} if "use_cache" in forward else {}
+        # A VLM's forward takes use_cache through **kwargs: its config's use_cache says it reads one.
+        takes_cache = "use_cache" in forward or (
+            any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward.values())
+            and getattr(getattr(unwrapped, "config", None), "use_cache", None) is not None
+        )
+        self._no_cache = {"use_cache": False} if takes_cache else {}
         # Logits only where a target is: prompt and padding positions never reach the LM head (most of the FLOPs and
         # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
         self._keeps_logits = "logits_to_keep" in forward

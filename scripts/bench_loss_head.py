@@ -16,7 +16,8 @@ N(0, 4/H) (logits of standard deviation 2), uniform targets; every input value i
 reference (logits, softmax and both gradients written out here, chunked) is exact for every precision: errors are the
 arm's own, not the rounding of its inputs. Relative error: |loss − ref| / |ref|, ‖grad − ref‖ / ‖ref‖ (Frobenius).
 
-Peak memory is above the inputs (the gradients of hidden and weight included, which every arm allocates). CUDA:
+Peak memory is above the inputs (the gradients of hidden and weight included, which every arm allocates), measured by
+scripts/bench_measure.py's `PeakMemory`, as benchmark.py measures. CUDA:
 `max_memory_allocated` after `reset_peak_memory_stats`, all arms in this process. CPU: each arm runs in a fresh process
 (multiprocessing, spawn) whose resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs after the
 inputs and a warm-up exist) is read after its timed passes. Why RSS: torch's CPU tensors come from malloc/mmap, which
@@ -29,12 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
 import multiprocessing
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_measure import PeakMemory  # scripts/: the memory meter benchmark.py measures with
 
 ARMS = ("ours", "torch", "plain")
 PRECISIONS = ("fp32", "bf16", "autocast")
@@ -89,35 +88,6 @@ def arm_fn(arm: str):
     return lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t, reduction="sum", ignore_index=-100)
 
 
-def rss_kb(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-class Peak:
-    """Peak memory above `start()`, in bytes: CUDA allocations, or this process's resident-set high-water mark."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.base = rss_kb("VmRSS") * 1024
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux ≥ 4.0)
-
-    def bytes(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() - self.base
-        return rss_kb("VmHWM") * 1024 - self.base
-
-
 def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.detach().double().cpu(), ref.double()
     return float((a - ref).norm() / ref.norm())
@@ -149,7 +119,7 @@ def run_arm(spec: dict) -> dict:
 
     step(rows=256)  # warm-up: kernels picked, libraries loaded
     h.grad = w.grad = None
-    peak = Peak(device)
+    peak = PeakMemory(cuda=device.type == "cuda")
     peak.start()
     times = []
     for _ in range(spec["repeats"]):
@@ -160,12 +130,12 @@ def run_arm(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    peak_bytes = peak.bytes()
+    peak_mib = peak.peak_mb()
     ref = torch.load(spec["ref"], weights_only=True)
     return {
         **{k: spec[k] for k in ("arm", "precision", "vocab", "hidden", "tokens")},
         "ms": 1000 * statistics.median(times),
-        "peak_mib": peak_bytes / 2**20,
+        "peak_mib": peak_mib,
         "loss_error": abs(float(loss.detach().double()) - float(ref["loss"])) / abs(float(ref["loss"])),
         "grad_hidden_error": relative(h.grad, ref["hidden"]),
         "grad_weight_error": relative(w.grad, ref["weight"]),

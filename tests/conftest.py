@@ -1,7 +1,26 @@
 import os
+from pathlib import Path
+
+import pytest
 
 # Tests never reach a hub or a W&B server, and stay within CI's two cores.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="module")
+def processor():
+    """The tiny LLaVA's processor (tests/vlm_models.py), once per test module."""
+    from tests.vlm_models import tiny_processor
+
+    return tiny_processor()
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
+    """A tiny LLaVA and its processor saved together: what a hub VLM id resolves to."""
+    from tests.vlm_models import save_tiny_vlm
+
+    return save_tiny_vlm(processor, tmp_path_factory.mktemp("tiny_vlm"))

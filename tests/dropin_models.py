@@ -1,4 +1,5 @@
-"""Tiny models of every loss kind, their rows and a collator that pads each key on its own: for the drop-in tests.
+"""Tiny models of every loss kind, their rows and a collator that pads each key on its own: for the drop-in tests
+(and for generating evaluation: its arguments and a compute_metrics that keeps its inputs).
 
 Each `Kind` holds what an independent float64 brute force needs: the model's logits for one sequence alone, and
 whether position t predicts labels[t + 1] (causal LM) or labels[t] (token classification, masked LM, seq2seq).
@@ -10,17 +11,19 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertForTokenClassification,
+    Seq2SeqTrainingArguments,
     T5Config,
     T5ForConditionalGeneration,
 )
 
-from tests.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
+from finetune.tools.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
 
 TAGS = 5
 
@@ -120,6 +123,34 @@ def seq2seq_rows(n: int, seed: int = 0) -> list[dict]:
         }
         for _ in range(n)
     ]
+
+
+def generating_args(output_dir, eval_batch: int, **extra):
+    return Seq2SeqTrainingArguments(
+        output_dir=str(output_dir),
+        per_device_eval_batch_size=eval_batch,
+        predict_with_generate=True,
+        generation_max_length=8,
+        generation_num_beams=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,
+    )
+
+
+class MetricInputs:
+    """compute_metrics that keeps what it was given (predictions and labels), as a summarization script's would."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, prediction):
+        self.seen.append((np.asarray(prediction.predictions), np.asarray(prediction.label_ids)))
+        return {"generated_tokens": float((np.asarray(prediction.predictions) > 0).sum())}
 
 
 class PadEachCollator(RecordingCollator):

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -17,10 +16,9 @@ from transformers import AutoTokenizer
 from finetune.data.streaming import stream_sft_dataset
 from finetune.data.text import char_limit, load_sft_dataset
 from finetune.recipe import DataConfig, RecipeError
-from tests.test_bad_recipes import assert_one_error, run
-from tests.test_data import chat, labelled, smollm2_folder, write_jsonl
+from tests.data_files import chat, labelled, smollm2_folder, write_jsonl
+from tests.launch import ROOT, assert_one_error, run
 
-ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 GOOD = [chat(f"q{k}?", f"answer {k}.") for k in range(4)]
 

@@ -5,7 +5,6 @@ Each case is (what is wrong, how to set it up, the message a user sees). Rows dr
 row without a supervised token is counted and dropped, so the case here is a file where no row has one.
 """
 
-import json
 import os
 import re
 import resource
@@ -17,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.data_files import chat, write_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "recipe=recipes/debug.yaml",
@@ -25,16 +26,6 @@ BASE = [
     "train.max_steps=2",
     "log.wandb_mode=disabled",
 ]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def chat(user: str, assistant: str | None = None) -> dict:
-    turns = [{"role": "user", "content": user}] + ([{"role": "assistant", "content": assistant}] if assistant else [])
-    return {"messages": turns}
 
 
 def image_rows(tmp: Path, image: str) -> Path:

@@ -17,8 +17,8 @@ import pytest
 from finetune.recipe import Config, RecipeError, load_config
 from finetune.recipe.bounds import bounds_text
 from finetune.recipe.yaml_reader import MAX_NODES
+from tests.launch import ROOT, assert_one_error, run
 
-ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 DEBUG_TEXT = Path(DEBUG).read_text()
 
@@ -206,28 +206,6 @@ def test_override_values_get_the_same_yaml_rules():
 
 
 # ---- through the commands: one line, exit 2, nothing written ----
-
-
-def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **kwargs):
-    cmd = [sys.executable, tool] if tool.endswith(".py") else [sys.executable, "-m", tool]
-    return subprocess.run(
-        [*cmd, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        **kwargs,
-    )
-
-
-def assert_one_error(result, message: str, out: Path | None = None, code: int = 2) -> None:
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == code, result.stderr[-3000:]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(message, errors[0]), errors[0]
-    if out is not None:
-        assert not out.exists() or not any(out.rglob("*")), list(out.rglob("*"))
 
 
 BOMB_RECIPE = DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    bomb:\n" + bomb())

@@ -19,9 +19,8 @@ from finetune.model.loading import check_folder
 from finetune.recipe import ModelConfig, RecipeError
 from finetune.training import checkpoint_files, output_dir
 from finetune.training.output_dir import CARRIED, FINAL_SET, OutputLock, recover, sibling, swap_in
-from tests.test_bad_recipes import assert_one_error
+from tests.launch import ENV, ROOT, assert_one_error
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "recipe=recipes/debug.yaml",
     "data.limit=16",
@@ -29,7 +28,6 @@ BASE = [
     "train.max_steps=2",
     "log.wandb_mode=disabled",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 HOLD = (
     "import sys, time\nfrom finetune.training.output_dir import OutputLock\nlock = OutputLock(sys.argv[1])\n"
     "lock.acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"

@@ -7,19 +7,9 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from finetune import TokenNormTrainer
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at
-from tests.toy import SnapshotCallback, ragged_rows, sgd_args, tiny_llama
-
-
-class RecordingFlattening(DataCollatorWithFlattening):
-    def __init__(self):
-        super().__init__(return_position_ids=True, separator_id=-100)
-        self.batches = []
-
-    def __call__(self, rows, *args, **kwargs):
-        self.batches.append([dict(r) for r in rows])
-        return super().__call__(rows, *args, **kwargs)
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from tests.attention import RecordingFlattening
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -77,7 +67,7 @@ def test_token_budget_groups_respect_the_budget_and_use_every_row_once():
 @pytest.mark.parametrize("padded", [True, False], ids=["token_budget", "packed_budget"])
 def test_token_budget_training_is_exact(padded, tmp_path):
     from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups
-    from tests.toy import RecordingCollator
+    from finetune.tools.toy import RecordingCollator
 
     initial = tiny_llama()
     rows = ragged_rows(20, seed=6)

@@ -4,24 +4,14 @@ import copy
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from finetune import TokenNormTrainer
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import train_recording
-from tests.toy import ragged_rows, tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(script_args: list[str], nproc: int = 2) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[:8000]
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import ragged_rows, tiny_llama, train_recording
+from tests.launch import ROOT, torchrun
 
 
 @pytest.mark.subprocess

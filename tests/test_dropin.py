@@ -11,17 +11,18 @@ from torch import nn
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from tests.dropin_models import KINDS, FallbackModule, PadEachCollator
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at
-from tests.toy import (
+from finetune.tools.toy import (
     RecordingCollator,
     SnapshotCallback,
+    model_at,
     ragged_rows,
     sgd_args,
+    step_errors,
     tiny_llama,
     tiny_qwen_vl,
+    train_recording,
 )
+from tests.dropin_models import KINDS, FallbackModule, PadEachCollator
 
 
 def args_with(out, micro, accumulation, **changes):
@@ -32,38 +33,17 @@ def args_with(out, micro, accumulation, **changes):
     return args
 
 
-def run(trainer_cls, model, rows, out, micro, accumulation, collator=None, **extra):
-    collator, snapshots = collator or PadEachCollator(), SnapshotCallback()
-    trainer_kwargs = extra.pop("trainer_kwargs", {})
-    trainer = trainer_cls(
-        model=model,
-        args=sgd_args(out, micro, accumulation, **extra),
-        train_dataset=rows,
-        data_collator=collator,
-        callbacks=[snapshots],
-        **trainer_kwargs,
-    )
-    trainer.train()
-    windows = [
-        [row for batch in collator.batches[i : i + accumulation] for row in batch]
-        for i in range(0, len(collator.batches), accumulation)
-    ]
-    return trainer, windows, snapshots.snapshots
-
-
-def window_errors(initial, windows, snapshots, **reference):
-    errors = []
-    for k, window in enumerate(windows):
-        grads, _ = reference_gradient(model_at(initial, snapshots[k]), window, **reference)
-        errors.append(relative_error({n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}, grads))
-    return errors
+def window_errors(initial, windows, snapshots, **reference) -> list[float]:
+    return [error for error, _ in step_errors(initial, windows, snapshots, **reference)]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "token_classification", "masked_lm", "seq2seq"])
 def test_each_loss_kind_is_exact_under_accumulation_and_equals_trainer_on_one_batch(name, tmp_path):
     kind = KINDS[name]
     initial, rows = kind.model(), kind.rows(10, 4)
-    trainer, windows, snapshots = run(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 3)
+    trainer, windows, snapshots = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 3, collator=PadEachCollator()
+    )
     assert trainer.loss_kind == kind.kind
     errors = window_errors(initial, windows, snapshots, forward=kind.forward, shift=kind.shift)
     assert max(errors) <= 1e-5, errors
@@ -79,8 +59,12 @@ def test_each_loss_kind_is_exact_under_accumulation_and_equals_trainer_on_one_ba
 
 def test_a_model_the_trainer_does_not_normalize_trains_exactly_as_trainer(tmp_path, caplog):
     initial, rows = FallbackModule(), ragged_rows(8, seed=11)
-    ours, _, ours_snaps = run(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 2)
-    stock, _, stock_snaps = run(Trainer, copy.deepcopy(initial), rows, tmp_path / "b", 2, 2)
+    ours, _, ours_snaps = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 2, collator=PadEachCollator()
+    )
+    stock, _, stock_snaps = train_recording(
+        Trainer, copy.deepcopy(initial), rows, tmp_path / "b", 2, 2, collator=PadEachCollator()
+    )
     assert ours.loss_kind is None
     assert "FallbackModule" in caplog.text and "Trainer's own loss" in caplog.text
     for name in ours_snaps[-1]:
@@ -140,7 +124,7 @@ def test_a_causal_lm_fed_inputs_embeds_without_input_ids_is_exact(tmp_path):
         embeds = table[torch.as_tensor(seq["input_ids"])].to(torch.float64).unsqueeze(0)
         return model(inputs_embeds=embeds).logits
 
-    _, windows, snapshots = run(
+    _, windows, snapshots = train_recording(
         TokenNormTrainer, copy.deepcopy(initial), ragged_rows(9, 2), tmp_path, 2, 2, collator=EmbedsCollator()
     )
     assert max(window_errors(initial, windows, snapshots, forward=forward)) <= 1e-5
@@ -154,13 +138,14 @@ def summed_cross_entropy(outputs, labels, num_items_in_batch):
 
 def test_compute_loss_func_gets_the_window_label_tokens_and_is_exact(tmp_path):
     initial = tiny_llama()
-    _, windows, snapshots = run(
+    _, windows, snapshots = train_recording(
         TokenNormTrainer,
         copy.deepcopy(initial),
         ragged_rows(10, 6),
         tmp_path,
         2,
         3,
+        collator=PadEachCollator(),
         trainer_kwargs={"compute_loss_func": summed_cross_entropy},
     )
     assert max(window_errors(initial, windows, snapshots)) <= 1e-5
@@ -203,8 +188,15 @@ def test_compute_loss_func_returning_a_non_scalar_is_one_clear_error(tmp_path):
 def test_label_smoothing_is_exact_under_accumulation_and_equals_trainer_on_one_batch(name, tmp_path):
     kind, smoothing = KINDS[name], 0.1
     initial, rows = kind.model(), kind.rows(10, 7)
-    trainer, windows, snapshots = run(
-        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 3, label_smoothing_factor=smoothing
+    trainer, windows, snapshots = train_recording(
+        TokenNormTrainer,
+        copy.deepcopy(initial),
+        rows,
+        tmp_path / "a",
+        2,
+        3,
+        collator=PadEachCollator(),
+        label_smoothing_factor=smoothing,
     )
     errors = window_errors(
         initial, windows, snapshots, forward=kind.forward, shift=kind.shift, label_smoothing=smoothing

@@ -19,9 +19,9 @@ from finetune.data.heldout import QUESTION_MODULE, eval_groups, pad_for_ranks, s
 from finetune.data.sources import DataReport, read_records
 from finetune.recipe import Batching, DataConfig, load_config
 from finetune.tools import train
-from tests.reference import reference_gradient
-from tests.test_data import chat, write_jsonl
-from tests.test_vlm import processor, tiny_vlm_folder  # noqa: F401  (fixtures)
+from finetune.tools.reference import reference_gradient
+from tests.data_files import chat, write_jsonl
+from tests.launch import TWO_RANKS
 from tests.wandb_reader import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,7 +335,7 @@ def test_streamed_training_evaluates_on_a_separate_eval_source(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_vlm_generates_samples_from_held_out_images(tiny_vlm_folder, tmp_path):  # noqa: F811
+def test_a_vlm_generates_samples_from_held_out_images(tiny_vlm_folder, tmp_path):
     from finetune.assemble import build
     from finetune.training.samples import GenerateSamples
 
@@ -405,19 +405,7 @@ def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
     for cmd in (
         [sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
         [
-            str(Path(sys.executable).with_name("accelerate")),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "finetune/train.py",
             *common,
             f"train.output_dir={two}",

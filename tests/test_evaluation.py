@@ -2,21 +2,14 @@
 unpadded), whatever the eval batch size, the last short batch or the number of ranks; a resumed run's log history
 equals the uninterrupted run's."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
+from finetune.tools.reference import reference_gradient
+from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 from tests.dropin_models import KINDS, PadEachCollator
-from tests.reference import reference_gradient
-from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import two_rank_eval
 
 
 def eval_rows(n: int = 23, seed: int = 9):
@@ -67,21 +60,7 @@ def test_trainers_eval_loss_moves_with_the_eval_batch_size_where_ours_does_not(t
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
-    out = tmp_path / "eval.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "tests/workers/eval_worker.py",
-        str(out),
-        str(tmp_path / "trainer"),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    metrics = json.loads(out.read_text())
+    metrics = two_rank_eval("causal", tmp_path)
     rows = eval_rows()  # 23 rows on 2 ranks in batches of 3: the last step repeats rows to fill its batches
     _, reference = reference_gradient(tiny_llama(), rows)
     for batch, (loss, tokens) in metrics.items():

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume import assert_same_run
+from tests.launch import ENV, ROOT, assert_same_run, signalled, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
 TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
 STREAM = [*BASE, "data.streaming=true", "train.max_steps=6"]  # 2 optimizer steps per pass: 3 passes
@@ -36,19 +34,6 @@ def run(args: list[str], env: dict | None = None, preexec=None) -> subprocess.Co
         timeout=600,
         preexec_fn=preexec,
     )
-
-
-def signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
-    """Start cmd, send `sig` once a stdout line contains after_line; (exit code, stdout)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if after_line in line:
-            proc.send_signal(sig)
-            break
-    lines += proc.stdout.readlines()
-    return proc.wait(timeout=600), "".join(lines)
 
 
 def checkpoint_names(out: Path) -> list[str]:
@@ -93,33 +78,18 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
     assert not (out / ".staging").exists()
 
 
-def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "finetune/train.py",
-        *args,
-    ]
-    return subprocess.run(
-        cmd, cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600
-    )
-
-
 @pytest.mark.e2e
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_a_streamed_run_on_two_ranks_resumes_bitwise(tmp_path):
     args = [*BASE, "data.streaming=true", "train.max_steps=4", "train.save_steps=1"]
     reference = tmp_path / "reference"
-    done = torchrun([*args, f"train.output_dir={reference}"])
+    done = torchrun(["finetune/train.py", *args, f"train.output_dir={reference}"], check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(reference / "checkpoint-1", out / "checkpoint-1")  # 2 ranks × 4 rows of 16: mid-pass
-    resumed = torchrun([*args, f"train.output_dir={out}", "train.resume_from=auto"])
+    resumed = torchrun(["finetune/train.py", *args, f"train.output_dir={out}", "train.resume_from=auto"], check=False)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-1'}" in resumed.stdout
     assert_same_run(out, reference)

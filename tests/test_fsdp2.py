@@ -5,28 +5,16 @@ tokens per rank: by hand through torch, and through TokenNormTrainer on a model 
 each with gradients reduced once per window and after every micro-batch (train.sync_each_batch). Every applied update
 (SGD, lr 1) must equal the clipped float64 token-mean gradient of the whole window, computed one sequence at a time."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.reference import reference_gradient, relative_error
-from tests.toy import ragged_rows, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import ragged_rows, tiny_llama
+from tests.launch import torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch
 ROWS, SEED = 12, 21  # 2 ranks × 3 micro-batches × 2 rows: one window holds every row
 MAX_NORM = 0.25  # well below the window's gradient norm (~0.9), so the clip is active
-
-
-def torchrun_standalone(script_args: list[str], nproc: int = 2) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +22,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     tiny_llama().save_pretrained(tmp / "tiny")  # the trainer path loads it sharded; same weights as tiny_llama()
     out = tmp / "results.pt"
-    torchrun_standalone(
-        ["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED), str(MAX_NORM)]
-    )
+    torchrun(["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED), str(MAX_NORM)])
     return torch.load(out, weights_only=False)
 
 

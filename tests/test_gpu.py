@@ -17,10 +17,9 @@ from transformers import TrainerCallback, TrainingArguments
 
 from finetune import TokenNormTrainer
 from finetune.loss import head_cross_entropy_sum
-from tests.reference import reference_gradient, relative_error
-from tests.test_head_precision import autocast_brute_force_error
-from tests.test_trainer import model_at
-from tests.toy import RecordingCollator, SnapshotCallback, ragged_rows, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import RecordingCollator, SnapshotCallback, model_at, ragged_rows, tiny_llama
+from tests.floors import autocast_brute_force_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}

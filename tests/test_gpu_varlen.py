@@ -18,10 +18,9 @@ from finetune.data.batching import row_collator
 from finetune.model.packed_attention import PackedAttention, register
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
 from finetune.recipe import Batching
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at
-from tests.test_varlen_attention import per_sequence
-from tests.toy import VOCAB, SnapshotCallback, ragged_rows
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows
+from tests.attention import per_sequence
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +52,10 @@ def within(err: float, err_sdpa: float, scale: float) -> bool:
 def attention_inputs(dtype=torch.bfloat16, heads=8, kv_heads=2, head_dim=64):
     g = torch.Generator(device="cuda").manual_seed(0)
     total = sum(LENGTHS)
-    make = lambda h: torch.randn(1, h, total, head_dim, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+
+    def make(heads_of_it):
+        return torch.randn(1, heads_of_it, total, head_dim, device="cuda", dtype=dtype, generator=g)
+
     q, k, v = make(heads).requires_grad_(), make(kv_heads).requires_grad_(), make(kv_heads).requires_grad_()
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     module = torch.nn.Module()

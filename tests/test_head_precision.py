@@ -16,30 +16,11 @@ import torch.nn.functional as F
 
 from finetune import TokenNormTrainer
 from finetune.loss import head_cross_entropy_sum, next_token_targets
-from tests.reference import reference_gradient, relative_error
-from tests.test_trainer import model_at, step_errors, train_recording
-from tests.toy import ragged_rows, tiny_llama
+from finetune.tools.toy import ragged_rows, step_errors, tiny_llama, train_recording
+from tests.floors import autocast_brute_force_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
-
-
-def autocast_brute_force_error(initial, snapshot, window, dtype, device: str = "cpu") -> float:
-    """Relative error vs float64 of the token-mean gradient computed one sequence at a time under autocast (the floor
-    of that precision's own arithmetic) on `device`."""
-    model = model_at(initial, snapshot)
-    expected, _ = reference_gradient(model, window)
-    model = model.to(device)
-    total, count = torch.zeros((), device=device), 0
-    for seq in window:
-        ids, labels = (torch.as_tensor(seq[k]).to(device) for k in ("input_ids", "labels"))
-        with torch.autocast(device, dtype=dtype):
-            logits = model(input_ids=ids[None]).logits[0, :-1]
-        keep = labels[1:] != -100
-        total = total + F.cross_entropy(logits[keep].float(), labels[1:][keep], reduction="sum")
-        count += int(keep.sum())
-    (total / count).backward()
-    return relative_error({n: p.grad.cpu().double() for n, p in model.named_parameters()}, expected)
 
 
 def test_bf16_training_makes_one_forward_per_micro_batch_and_never_full_logits(tmp_path, caplog):

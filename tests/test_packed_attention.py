@@ -4,54 +4,16 @@ import copy
 
 import pytest
 import torch
-from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
+from transformers import DataCollatorWithFlattening, LlamaForCausalLM
 
 from finetune import TokenNormTrainer
 from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, use_for_packed_rows
-from tests.reference import reference_gradient, relative_error
-from tests.test_batching import RecordingFlattening
-from tests.test_trainer import model_at
-from tests.toy import VOCAB, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
-
-
-def tiny_mha(seed: int = 0) -> LlamaForCausalLM:
-    """tests/toy.py's tiny Llama without grouped-query attention (as many kv heads as heads)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
-
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from tests.attention import RecordingFlattening, alone_logits, rows_with_short_ones, tiny_mha, with_attention
 
 MODELS = {"gqa": tiny_llama, "mha": tiny_mha}
-
-
-def with_attention(model, implementation: str):
-    packed_attention.register()
-    model.config._attn_implementation = implementation
-    return model
-
-
-def rows_with_short_ones(seed: int) -> list[dict]:
-    rows = ragged_rows(5, seed=seed, min_len=3, max_len=20)
-    rows.insert(1, {"input_ids": [7], "labels": [7]})  # one token: attends to itself only
-    rows.insert(4, {"input_ids": [9, 11], "labels": [9, 11]})
-    return rows
-
-
-def alone_logits(model, rows) -> torch.Tensor:
-    """The brute force: every sequence on its own, eager attention (a softmax over written-out scores), float64."""
-    reference = with_attention(copy.deepcopy(model), "eager").to(torch.float64)
-    with torch.no_grad():
-        return torch.cat([reference(input_ids=torch.tensor([r["input_ids"]]), use_cache=False).logits[0] for r in rows])
 
 
 class SdpaCalls:

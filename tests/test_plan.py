@@ -92,7 +92,11 @@ def test_candidates_and_search():
     assert planner.candidates(budget, 1)[3] == [128, 192, 256, 384, 768]  # ≥ data.max_length (128)
 
     tried = []
-    fits = lambda v: tried.append(v) or v <= 6  # noqa: E731
+
+    def fits(v):
+        tried.append(v)
+        return v <= 6
+
     values = [1, 2, 3, 4, 6, 12, 24]
     assert values[planner.largest_fitting(values, fits)] == 6 and len(tried) <= 4
     assert planner.largest_fitting(values, lambda v: False) is None

@@ -6,7 +6,6 @@ label tokens, epoch, skip counter) and every weight, with ==.
 """
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -22,8 +21,8 @@ from safetensors.torch import load_file
 
 from finetune.recipe import RecipeError, TrainConfig, load_config
 from finetune.training import checkpoints
+from tests.launch import ENV, ROOT, assert_same_run, signalled, step_logs
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "recipe=recipes/debug.yaml",
     "data.limit=16",
@@ -42,22 +41,6 @@ MODES = {
     "packed": ["data.batching=packed"],
     "padded+lora": ["model.lora.enabled=true", "optim.lr=1e-2"],  # adapter_model.safetensors, PEFT's own loading
 }
-LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-
-
-def step_logs(folder: Path) -> list[dict]:
-    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
-    return [{k: e.get(k) for k in LOGGED} for e in history if "loss" in e and "grad_norm" in e]
-
-
-def assert_same_run(folder: Path, reference: Path) -> None:
-    assert step_logs(folder) == step_logs(reference)
-    name = "model.safetensors" if (reference / "model.safetensors").is_file() else "adapter_model.safetensors"
-    got, want = load_file(folder / name), load_file(reference / name)
-    assert got.keys() == want.keys()
-    different = [name for name in want if not torch.equal(got[name], want[name])]
-    assert not different, f"weights differ bitwise: {different[:3]}"
 
 
 _references: dict[str, Path] = {}
@@ -236,25 +219,12 @@ def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path):
     assert_same_run(out, reference("padded"))
 
 
-def run_until_signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
-    """Start cmd, send `sig` once a stdout line contains after_line, return (exit code, stdout)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if after_line in line:
-            proc.send_signal(sig)
-            break
-    lines += proc.stdout.readlines()
-    return proc.wait(timeout=600), "".join(lines)
-
-
 @pytest.mark.e2e
 @pytest.mark.subprocess
 def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(reference, tmp_path):
     out = tmp_path / "signalled"
     argv = [*COMMON, f"train.output_dir={out}"]  # no train.save_steps: only the signal makes a checkpoint
-    code, stdout = run_until_signalled([sys.executable, "finetune/train.py", *argv], signal.SIGTERM, "step 1/4")
+    code, stdout = signalled([sys.executable, "finetune/train.py", *argv], signal.SIGTERM, "step 1/4")
     assert code == 0, stdout[-3000:]
     stopped = re.search(r"stopped by SIGTERM after optimizer step (\d) of 4; checkpoint: (\S+)", stdout)
     assert stopped, stdout[-3000:]
@@ -263,7 +233,7 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
     command = re.search(r"^resume with: (.+)$", stdout, re.M).group(1)
     assert shlex.split(command) == [sys.executable, "finetune/train.py", *argv, "train.resume_from=auto"]
 
-    code, stdout = run_until_signalled(shlex.split(command), signal.SIGINT, "resuming from")  # during start-up
+    code, stdout = signalled(shlex.split(command), signal.SIGINT, "resuming from")  # during start-up
     assert code == 0 and "stopped by SIGINT" in stdout, stdout[-3000:]
     finished = subprocess.run(shlex.split(command), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]

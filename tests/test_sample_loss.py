@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from transformers import BertForMultipleChoice, BertForSequenceClassification, Trainer
 
 from finetune import TokenNormTrainer
+from finetune.tools.reference import relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, sgd_args
 from tests.dropin_models import tiny_bert
-from tests.reference import relative_error
-from tests.test_trainer import model_at
-from tests.toy import VOCAB, SnapshotCallback, sgd_args
 
 
 def rows(n, problem, seed=0, choices=3):

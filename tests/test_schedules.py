@@ -21,10 +21,10 @@ from finetune.training.schedules import (
     scaled_lr,
     startup_line,
 )
+from tests.launch import TWO_RANKS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
 
 def reference_lr(step, total, peak, cfg):
@@ -187,19 +187,7 @@ def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_st
     out = tmp_path / "two"
     result = run(
         [
-            ACCELERATE,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "finetune/train.py",
             f"recipe={DEBUG}",
             "train.max_steps=-1",

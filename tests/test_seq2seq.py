@@ -1,24 +1,25 @@
 """TokenNormSeq2SeqTrainer against Seq2SeqTrainer itself (same generations, same metric inputs) and against the float64
 token mean (eval_loss at every eval batch size, on two ranks); a composed subclass says its eval loss is not exact."""
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import BartConfig, BartForConditionalGeneration, Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers import BartConfig, BartForConditionalGeneration, Seq2SeqTrainer
 
 from finetune import TokenNormSeq2SeqTrainer, TokenNormTrainer
-from tests.dropin_models import PadEachCollator, decoder_logits_alone, seq2seq_rows, tiny_t5
-from tests.reference import reference_gradient
-from tests.toy import VOCAB
-
-ROOT = Path(__file__).resolve().parents[1]
+from finetune.tools.reference import reference_gradient
+from finetune.tools.toy import VOCAB
+from tests.dropin_models import (
+    MetricInputs,
+    PadEachCollator,
+    decoder_logits_alone,
+    generating_args,
+    seq2seq_rows,
+    tiny_t5,
+)
+from tests.launch import two_rank_eval
 
 
 def tiny_bart(seed: int = 0):
@@ -46,34 +47,6 @@ def tiny_bart(seed: int = 0):
 
 
 MODELS = {"t5": tiny_t5, "bart": tiny_bart}
-
-
-def generating_args(output_dir, eval_batch: int, **extra):
-    return Seq2SeqTrainingArguments(
-        output_dir=str(output_dir),
-        per_device_eval_batch_size=eval_batch,
-        predict_with_generate=True,
-        generation_max_length=8,
-        generation_num_beams=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        **extra,
-    )
-
-
-class MetricInputs:
-    """compute_metrics that keeps what it was given (predictions and labels), as a summarization script's would."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, prediction):
-        self.seen.append((np.asarray(prediction.predictions), np.asarray(prediction.label_ids)))
-        return {"generated_tokens": float((np.asarray(prediction.predictions) > 0).sum())}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -160,21 +133,7 @@ def test_a_composed_seq2seq_trainer_says_its_eval_loss_is_not_exact(tmp_path, ca
 @pytest.mark.subprocess
 @pytest.mark.distributed
 def test_generating_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
-    out = tmp_path / "eval.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "tests/workers/seq2seq_worker.py",
-        str(out),
-        str(tmp_path / "trainer"),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    metrics = json.loads(out.read_text())
+    metrics = two_rank_eval("seq2seq", tmp_path)
     rows = seq2seq_rows(23, seed=9)
     _, reference = reference_gradient(tiny_t5(), rows, forward=decoder_logits_alone, shift=False)
     for batch, (loss, tokens, same_generations) in metrics.items():

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from finetune.data.streaming import SHUFFLE_BUFFER, stream_sft_dataset
 from finetune.data.text import load_sft_dataset
 from finetune.recipe import DataConfig, RecipeError, load_config
-from tests.test_data import chat, smollm2_folder, write_jsonl
+from tests.data_files import chat, smollm2_folder, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.launch import TWO_RANKS
+
 ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
 
 def run(cmd, env=None, timeout=900):
@@ -53,19 +54,7 @@ def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
     run([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
     run(
         [
-            ACCELERATE,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "finetune/train.py",
             *common,
             f"train.output_dir={two}",

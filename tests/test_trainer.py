@@ -12,42 +12,18 @@ import torch
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from tests.reference import reference_gradient, relative_error
-from tests.toy import MeanLossLM, RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama, tiny_qwen_vl
-
-
-def train_recording(trainer_cls, model, rows, tmp_path, micro, accumulation, **args):
-    collator, snapshots = RecordingCollator(), SnapshotCallback()
-    trainer = trainer_cls(
-        model=model,
-        args=sgd_args(tmp_path, micro, accumulation, **args),
-        train_dataset=rows,
-        data_collator=collator,
-        callbacks=[snapshots],
-    )
-    trainer.train()
-    windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
-    return trainer, windows, snapshots.snapshots
-
-
-def model_at(initial, snapshot):
-    model = copy.deepcopy(initial)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(snapshot[name])
-    return model
-
-
-def step_errors(initial, windows, snapshots):
-    """Per optimizer step: (relative error of the applied gradient, reference token-mean loss, window rows)."""
-    assert len(snapshots) == len(windows) + 1
-    results = []
-    for k, window in enumerate(windows):
-        grads, loss = reference_gradient(model_at(initial, snapshots[k]), window)
-        applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}
-        results.append((relative_error(applied, grads), loss))
-    return results
-
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import (
+    MeanLossLM,
+    RecordingCollator,
+    SnapshotCallback,
+    ragged_rows,
+    sgd_args,
+    step_errors,
+    tiny_llama,
+    tiny_qwen_vl,
+    train_recording,
+)
 
 MODELS = {"llama": tiny_llama, "qwen2_5_vl": tiny_qwen_vl, "mean_loss_module": MeanLossLM}
 

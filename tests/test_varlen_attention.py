@@ -15,10 +15,9 @@ from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, PackedAttention
 from finetune.model.varlen_attention import VarlenKernel
 from finetune.recipe import Batching
-from tests.reference import reference_gradient, relative_error
-from tests.test_packed_attention import alone_logits, rows_with_short_ones, tiny_mha, with_attention
-from tests.test_trainer import model_at
-from tests.toy import SnapshotCallback, ragged_rows, sgd_args, tiny_llama
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from tests.attention import alone_logits, per_sequence, rows_with_short_ones, tiny_mha, with_attention
 
 VARLEN_ON_CPU = "packed_varlen_reference"
 
@@ -69,20 +68,6 @@ class Varlen210(ReferenceVarlen):
         assert is_causal and key.shape[1] == query.shape[1]
         self.calls.append({"cu_q": cu_seq_q, "max_q": max_q, "q": query.shape, "k": key.shape})
         return per_sequence(query, key, value, cu_seq_q.tolist(), None)
-
-
-def per_sequence(query, key, value, edges: list[int], scale) -> torch.Tensor:
-    """[T, H, d] causal attention within each [edges[i], edges[i+1]) slice; kv heads shared by groups of heads."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    pieces = []
-    for start, end in zip(edges, edges[1:]):
-        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, n, d]
-        scores = q @ k.transpose(1, 2) * scale
-        future = torch.ones(end - start, end - start, dtype=torch.bool, device=query.device).triu(1)
-        pieces.append((scores.masked_fill(future, float("-inf")).softmax(-1) @ v).transpose(0, 1))
-    return torch.cat(pieces)
 
 
 def on_cpu_varlen(kernel, dtypes=(torch.float64,)) -> PackedAttention:

@@ -12,9 +12,9 @@ import pytest
 from finetune.recipe import RecipeError, load_config
 from finetune.tools import verify
 from finetune.tools.reference_check import group_of
+from tests.launch import TWO_RANKS
 
 ROOT = Path(__file__).resolve().parents[1]
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 DEBUG = "recipe=recipes/debug.yaml"
 
 
@@ -129,19 +129,7 @@ def test_verify_arguments_and_tolerances():
 def test_two_ranks_through_accelerate_launch():
     result = run(
         [
-            ACCELERATE,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "-m",
             "finetune.verify",
             DEBUG,

@@ -12,75 +12,25 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    AutoTokenizer,
     DataCollatorForSeq2Seq,
-    LlamaConfig,
-    LlavaConfig,
     LlavaForConditionalGeneration,
-    SiglipVisionConfig,
     Trainer,
 )
 
 from finetune import TokenNormTrainer
 from finetune.data import shapes_captions
 from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
-from finetune.model.llava import IMAGE_TOKEN, image_tokenizer, llava_processor
+from finetune.model.llava import IMAGE_TOKEN, llava_processor
 from finetune.model.vlm import is_vlm, prepare_vlm
-from finetune.recipe import DataConfig, LoraConfig, ModelConfig, OptimConfig, RecipeError, load_config
-from tests.reference import reference_gradient, relative_error
-from tests.test_data import smollm2_folder, write_jsonl
-from tests.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
+from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, load_config
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
+from tests.data_files import write_jsonl
+from tests.vlm_models import prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|im_end|>"
 TOKENS_PER_IMAGE = 4  # 32 px images, 16 px patches
-
-
-@pytest.fixture(scope="module")
-def processor():
-    tokenizer = image_tokenizer(AutoTokenizer.from_pretrained(str(smollm2_folder())))
-    return llava_processor(tokenizer, image_size=32, patch_size=16)
-
-
-def tiny_llava(processor, seed: int = 0, patch_size: int = 16) -> LlavaForConditionalGeneration:
-    torch.manual_seed(seed)
-    tokenizer = processor.tokenizer
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    vision = SiglipVisionConfig(
-        image_size=32,
-        patch_size=patch_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        vision_use_head=False,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        image_seq_length=(32 // patch_size) ** 2,
-    )
-    config._attn_implementation = "sdpa"
-    return LlavaForConditionalGeneration(config)
-
-
-def prepared(processor, freeze=(), lora=False, seed=0):
-    cfg = ModelConfig(name_or_path="tiny", freeze=list(freeze), lora=LoraConfig(enabled=lora))
-    return prepare_vlm(tiny_llava(processor, seed), cfg, processor)
 
 
 def user(*parts):
@@ -315,7 +265,10 @@ def qwen_rows(n: int, seed: int) -> list[dict]:
 
 def qwen_collate(rows):
     width = max(len(r["input_ids"]) for r in rows)
-    pad = lambda seq, value: list(seq) + [value] * (width - len(seq))  # noqa: E731
+
+    def pad(seq, value):
+        return list(seq) + [value] * (width - len(seq))
+
     batch = {
         "input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
         "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
@@ -459,15 +412,6 @@ def test_lr_multiplier_reaches_the_projector_by_its_module_name(processor):
 
 
 # ---- through the recipe: a VLM folder (the hub path), two ranks, recipes/vlm.yaml ----
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
-    """A tiny LLaVA and its processor saved together: what a hub VLM id resolves to."""
-    folder = tmp_path_factory.mktemp("tiny_vlm")
-    tiny_llava(processor).save_pretrained(folder)
-    processor.save_pretrained(folder)
-    return folder
 
 
 def ask_about_an_image(folder: Path, image, new_tokens: int):

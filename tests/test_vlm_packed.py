@@ -12,42 +12,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from finetune import TokenNormTrainer
 from finetune.data import shapes_captions
 from finetune.data.batching import row_collator
 from finetune.data.images import open_image
 from finetune.data.vision import VisionCollator, load_vision_dataset
-from finetune.model.llava import IMAGE_TOKEN, image_tokenizer, llava_processor
+from finetune.model.llava import IMAGE_TOKEN
 from finetune.model.packed_attention import use_for_packed_rows
-from finetune.recipe import DataConfig, RecipeError
+from finetune.recipe import Batching, DataConfig, RecipeError
 from finetune.tools import verify
-from tests.reference import reference_gradient, relative_error
-from tests.test_data import smollm2_folder
-from tests.test_vlm import prepared, tiny_llava
-from tests.toy import SnapshotCallback, sgd_args, tiny_qwen_vl
+from finetune.tools.reference import reference_gradient, relative_error
+from finetune.tools.toy import SnapshotCallback, sgd_args, tiny_qwen_vl
+from tests.vlm_models import prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def proc():
-    tokenizer = image_tokenizer(AutoTokenizer.from_pretrained(str(smollm2_folder())))
-    return llava_processor(tokenizer, image_size=32, patch_size=16)
+def proc(processor):
+    return processor
 
 
-class WithoutNoCache:
-    """The collator as it was before packed image rows were exact: a KV cache on, so transformers ignores the
-    restarting position_ids and attention crosses the packed rows (the check below must see it)."""
+class CacheOnTrainer(TokenNormTrainer):
+    """The trainer as it was before packed image rows were exact: a VLM's forward takes use_cache through **kwargs,
+    so a KV cache stayed on and transformers ignored the restarting position_ids (the check below must see it)."""
 
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, rows):
-        batch = self.inner(rows)
-        batch.pop("use_cache", None)
-        return batch
+    def _forward_inputs(self, model, inputs):
+        return {**super()._forward_inputs(model, inputs), "use_cache": True}
 
 
 class Recording:
@@ -82,9 +74,9 @@ def test_packed_image_rows_match_the_float64_per_row_reference(proc, attention, 
     if attention == "packed_sdpa":
         assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
         assert model.config.vision_config._attn_implementation == "sdpa"  # the tower keeps its own attention
-    inner = VisionCollator(row_collator(DataConfig(batching="packed"), proc.tokenizer), proc)
-    collator = Recording(WithoutNoCache(inner) if attention == "sdpa_with_cache" else inner)
-    trainer = TokenNormTrainer(
+    inner = VisionCollator(row_collator(Batching("packed", 1, None), proc.tokenizer), proc)
+    collator = Recording(inner)
+    trainer = (CacheOnTrainer if attention == "sdpa_with_cache" else TokenNormTrainer)(
         model=model,
         train_dataset=packed_rows(proc),
         data_collator=collator,

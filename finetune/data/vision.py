@@ -266,8 +266,4 @@ class VisionCollator:
         if any(images):  # in row order: a packed row's image tokens meet its images' features in the same order
             pixels = self.image_processor(images, return_tensors="pt")
             batch.update({k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)})
-        if "position_ids" in batch:
-            # packed rows: with a KV cache transformers ignores the restarting position_ids and attends across the
-            # row's sequences; a VLM's forward takes use_cache through **kwargs, where the trainer does not see it
-            batch["use_cache"] = False
         return batch

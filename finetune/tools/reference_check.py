@@ -2,10 +2,11 @@
 
 - `recording_trainer`: the recipe's trainer class recording into a `WindowRecorder` (a subclass built with, not a
   trainer patched afterwards): the rows of every micro-batch as the collator got them, grouped per fetched window,
-  the norm the trainer clipped with, and (`GradientCapture`, a callback) before each optimizer step the applied
+  the norm the trainer clipped with, and (`gradient_capture`, a callback) before each optimizer step the applied
   gradient, the parameters and the rows of all ranks (gathered to rank 0).
-- `reference_placement`, `reference_gradient`: the token-mean next-token cross-entropy over those rows, each sequence
-  alone and unpadded, in float64 where it fits (else float32), with the loss written out here (not `finetune.loss`).
+- `reference_placement`, `reference_model`: where the reference runs: float64 where it fits (else float32), without
+  accelerate's autocast. The gradient itself is `finetune.tools.reference.window_gradient`, the brute force the
+  tests use too: each sequence alone and unpadded, the loss written out there (not `finetune.loss`).
 - `compare`, `micro_batch_weights`: the relative error overall and per parameter group, and the least-squares weight
   of each micro-batch in the applied gradient.
 """
@@ -16,7 +17,6 @@ import math
 from collections import defaultdict, deque
 
 from finetune.env import is_main_process
-from finetune.labels import IGNORE_INDEX
 from finetune.recipe import RecipeError
 
 
@@ -28,16 +28,6 @@ def group_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ".".join(parts[:-1]) or name
-
-
-def silence_dropout(model) -> None:
-    import torch
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 class WindowRecorder:
@@ -71,55 +61,70 @@ class WindowRecorder:
         self.windows.append([self.pending.popleft() for _ in range(micro_batches)])
 
 
-def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
-    """`base` (the recipe's trainer class) recording into `recorder` for `steps` optimizer steps, then stopping: the
-    trainer class verify builds with. The Trainer's own progress bar and step lines are left out."""
+def host_copy(tensor):
+    """A CPU copy in float64 if it is float64, else float32 (bf16/fp16 gradients are compared in float32)."""
+    import torch
+
+    return tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+
+
+def check_capturable(trainable: list) -> None:
+    """verify needs whole gradients on rank 0 before the optimizer step: not FSDP shards, not DeepSpeed's engine."""
+    if any(hasattr(p, "full_tensor") for _, p in trainable):
+        raise RecipeError(
+            "finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
+            "not FSDP (the gradient math is the same)"
+        )
+    if all(p.grad is None for _, p in trainable):
+        raise RecipeError(
+            "no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
+            "its engine); run finetune.verify with DDP or one process"
+        )
+
+
+def all_ranks_rows(rows: list[list[dict]]) -> list[list[dict]]:
+    """This window's micro-batches of every rank, rank by rank (this rank's alone outside a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return rows
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    return [micro_batch for rank_rows in gathered for micro_batch in rank_rows]
+
+
+def gradient_capture(trainer, recorder: WindowRecorder, steps: int):
+    """The callback that, before each optimizer step, captures the applied gradient, the parameters and all ranks'
+    rows (gathered to rank 0) into `recorder`, and stops training after `steps` steps."""
     from transformers import TrainerCallback
-    from transformers.trainer_callback import ProgressCallback
 
     class GradientCapture(TrainerCallback):
-        """Before each optimizer step: the applied gradient, the parameters and all ranks' rows (gathered to rank 0)."""
-
-        def __init__(self, trainer):
-            self.trainer = trainer
-
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            import torch
-            import torch.distributed as dist
-
-            trainer = self.trainer
             trainable = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
-            if any(hasattr(p, "full_tensor") for _, p in trainable):
-                raise RecipeError(
-                    "finetune.verify needs whole parameters on rank 0; run it with DDP or one process, "
-                    "not FSDP (the gradient math is the same)"
-                )
-            if all(p.grad is None for _, p in trainable):
-                raise RecipeError(
-                    "no gradient on the parameters before the optimizer step (DeepSpeed keeps them in "
-                    "its engine); run finetune.verify with DDP or one process"
-                )
+            check_capturable(trainable)
             # Under fp16 the gradients are unscaled already: the Trainer's _get_grad_norm runs before this hook and
             # unscales through accelerate's clip_grad_norm_ even without clipping (max_grad_norm=0 clips at inf).
-            keep = lambda t: t.detach().to("cpu", torch.float64 if t.dtype == torch.float64 else torch.float32)  # noqa
-            grads = {n: keep(_full(p.grad)) if p.grad is not None else None for n, p in trainable}
-            rows = recorder.windows[len(recorder.captures)]
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, rows)
-                rows = [micro_batch for rank_rows in gathered for micro_batch in rank_rows]
-            if is_main_process():
-                params = {n: p.detach().to("cpu", copy=True) for n, p in trainable}
-                norm = recorder.norms[-1] if args.max_grad_norm > 0 else None
-                recorder.captures.append(
-                    {"grads": grads, "params": params, "rows": rows, "step": state.global_step + 1, "norm": norm}
-                )
-            else:
+            grads = {n: host_copy(_full(p.grad)) if p.grad is not None else None for n, p in trainable}
+            rows = all_ranks_rows(recorder.windows[len(recorder.captures)])
+            if not is_main_process():
                 recorder.captures.append({})
+                return
+            params = {n: p.detach().to("cpu", copy=True) for n, p in trainable}
+            norm = recorder.norms[-1] if args.max_grad_norm > 0 else None
+            step = state.global_step + 1
+            recorder.captures.append({"grads": grads, "params": params, "rows": rows, "step": step, "norm": norm})
 
         def on_step_end(self, args, state, control, **kwargs):
             if len(recorder.captures) >= steps:
                 control.should_training_stop = True
+
+    return GradientCapture()
+
+
+def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
+    """`base` (the recipe's trainer class) recording into `recorder` for `steps` optimizer steps, then stopping: the
+    trainer class verify builds with. The Trainer's own progress bar and step lines are left out."""
+    from transformers.trainer_callback import ProgressCallback
 
     class RecordingTrainer(base):
         def __init__(self, *args, data_collator=None, callbacks=None, **kwargs):
@@ -127,7 +132,7 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             super().__init__(
                 *args,
                 data_collator=recorder.recording(data_collator),
-                callbacks=[*kept, GradientCapture(self)],
+                callbacks=[*kept, gradient_capture(self, recorder, steps)],
                 **kwargs,
             )
 
@@ -179,40 +184,6 @@ def reference_placement(model, trainable: int):
     )
 
 
-def reference_gradient(model, micro_batches: list[list[dict]], inputs_of, dtype, device, keep_parts: bool):
-    """Token-mean next-token cross-entropy over all rows, each sequence alone (`inputs_of(row)`: its model inputs).
-
-    Returns ({name: grad}, mean loss, targets, per-micro-batch gradients (float32, CPU) or None).
-    """
-    import torch
-
-    rows = [row for micro_batch in micro_batches for row in micro_batch]
-    targets_total = sum(sum(1 for t in r["labels"][1:] if t != IGNORE_INDEX) for r in rows)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    loss_sum, parts, previous = 0.0, [], {}
-    for micro_batch in micro_batches:
-        for row in micro_batch:
-            targets = torch.tensor(row["labels"][1:], device=device)  # position t predicts token t + 1
-            picked = targets != IGNORE_INDEX
-            if not picked.any():
-                continue
-            out = model(**inputs_of(row))
-            logits = (out.logits if hasattr(out, "logits") else out["logits"])[0, :-1]
-            log_probs = torch.log_softmax(logits[picked].to(dtype), dim=-1)
-            sequence_loss = -log_probs.gather(1, targets[picked].unsqueeze(1)).sum()
-            (sequence_loss / targets_total).backward()  # one sequence at a time: the gradients add up
-            loss_sum += float(sequence_loss.detach())
-        if keep_parts:  # this micro-batch's share: the running sum now minus before
-            now = {
-                n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape) for n, p in trainable.items()
-            }
-            parts.append({n: g - previous[n] if previous else g for n, g in now.items()})
-            previous = now
-    grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}
-    return grads, loss_sum / max(targets_total, 1), targets_total, parts if keep_parts else None
-
-
 def micro_batch_weights(applied: dict, parts: list[dict], scale: float) -> list[float]:
     """Least-squares w with applied ≈ Σ_k w_k × scale × part_k (1 everywhere when every token counts once)."""
     import torch
@@ -233,6 +204,11 @@ def micro_batch_weights(applied: dict, parts: list[dict], scale: float) -> list[
     return weights
 
 
+def ratio(diff: float, norm: float) -> float:
+    """sqrt(diff / norm): the relative error, 0 where both are zero."""
+    return math.sqrt(diff / norm) if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def compare(applied: dict, reference: dict) -> tuple[float, dict[str, tuple[float, float]]]:
     """Relative error over everything and per parameter group (0 where both are zero)."""
     diff, norm = defaultdict(float), defaultdict(float)
@@ -241,6 +217,5 @@ def compare(applied: dict, reference: dict) -> tuple[float, dict[str, tuple[floa
         got = applied[name].double() if applied.get(name) is not None else ref.new_zeros(ref.shape)
         diff[group_of(name)] += float(((got - ref) ** 2).sum())
         norm[group_of(name)] += float((ref**2).sum())
-    ratio = lambda d, n: math.sqrt(d / n) if n > 0 else (0.0 if d == 0 else math.inf)  # noqa: E731
     groups = {g: (ratio(diff[g], norm[g]), math.sqrt(norm[g])) for g in diff}
     return ratio(sum(diff.values()), sum(norm.values())), groups

@@ -7,11 +7,11 @@ The recipe runs as training runs it (`finetune.assemble.build`: model, data, bat
 for `verify.steps` optimizer steps (default 1), with the recipe's trainer class recording what it does
 (`reference_check.recording_trainer`). Just before each optimizer step the applied gradient is captured and compared
 with a reference computed from the rows that window really held (gathered from every rank): each sequence alone,
-unpadded, in float64 (float32 when the model does not fit), with the loss written out in
-finetune/tools/reference_check.py (not `finetune.loss`), then clipped by the factor the trainer clipped with
+unpadded, in float64 (float32 when the model does not fit), with the loss written out in finetune/tools/reference.py
+(not `finetune.loss`; the brute force the tests use too), then clipped by the factor the trainer clipped with
 (`train.max_grad_norm`). A row becomes model inputs through the recipe's own collator given that one row (nothing to
 pad or pack), so image rows of a VLM recipe come with their pixel values. This module runs the recipe and reports;
-reference_check records the windows and computes the reference. Exit 0 when both checks pass, 1 when one fails, 2 for
+reference_check records the windows and places the reference. Exit 0 when both checks pass, 1 when one fails, 2 for
 a recipe error:
 
 - relative error ‖applied − reference‖ / ‖reference‖ (also per parameter group), within the tolerance of the lowest
@@ -45,10 +45,8 @@ from finetune.tools.reference_check import (
     compare,
     micro_batch_weights,
     recording_trainer,
-    reference_gradient,
     reference_model,
     reference_placement,
-    silence_dropout,
 )
 
 TOLERANCES = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
@@ -94,6 +92,7 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     import torch
 
     from finetune.assemble import build
+    from finetune.tools.reference import silence_dropout, window_gradient
     from finetune.training import recipe_trainer
 
     recorder = WindowRecorder()
@@ -119,15 +118,16 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     model.train()
     print(f"verify: reference in {str(dtype).removeprefix('torch.')} on {device}, one sequence at a time", flush=True)
 
-    def inputs_of(row: dict) -> dict:
+    def logits_of(model, row: dict):
         """One row alone as the model takes it (images included), no labels: the recipe's collator on one row pads
         nothing and packs nothing."""
         batch = recorder.collate([[row]] if is_budgeted(cfg.data) else [row])
-        return {
+        inputs = {
             k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
             for k, v in batch.items()
             if k != "labels" and isinstance(v, torch.Tensor)
         }
+        return model(**inputs)["logits"]
 
     checks = []
     for capture_k in recorder.captures:
@@ -136,7 +136,7 @@ def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
                 trainable[name].copy_(value)
         micro_batches = capture_k["rows"]
         keep_parts = len(micro_batches) * n_trainable * 4 <= psutil.virtual_memory().available / 4
-        reference, loss, targets, parts = reference_gradient(model, micro_batches, inputs_of, dtype, device, keep_parts)
+        reference, loss, targets, parts = window_gradient(model, micro_batches, logits_of, dtype, keep_parts=keep_parts)
         clip, norms = 1.0, None
         if capture_k["norm"] is not None:
             norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))

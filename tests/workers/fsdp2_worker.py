@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from finetune import TokenNormTrainer
 from finetune.env import exit_process
 from finetune.loss import count_label_tokens, token_loss_sum
-from tests.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 MICRO, ACCUMULATION = 2, 3
 

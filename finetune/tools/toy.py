@@ -1,12 +1,21 @@
-"""Tiny models, ragged data and a recording harness shared by the trainer tests."""
+"""Tiny models, ragged rows and the SGD recording harness with which the exactness tests and scripts/exactness.py
+check a trainer against the float64 reference (`finetune.tools.reference`), built from configs: nothing to download.
+
+With SGD, lr 1 and no momentum or decay, the parameter change of a step is minus the gradient the trainer applied,
+so `train_recording` + `step_errors` check every step of a run against the rows its window really held.
+"""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+
+from finetune.labels import IGNORE_INDEX
+from finetune.tools.reference import reference_gradient, relative_error
 
 VOCAB = 61
 
@@ -83,7 +92,7 @@ class MeanLossLM(nn.Module):
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
             )
         return out
 
@@ -96,7 +105,7 @@ def ragged_rows(n: int, seed: int = 0, min_len: int = 3, max_len: int = 24, voca
         length = rng.randint(min_len, max_len)
         ids = [rng.randrange(1, vocab - 3) for _ in range(length)]
         prompt = rng.randint(0, length - 2)
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
     return rows
 
 
@@ -110,11 +119,14 @@ class RecordingCollator:
     def __call__(self, rows):
         self.batches.append([dict(r) for r in rows])
         width = max(len(r["input_ids"]) for r in rows)
-        pad = lambda seq, value: list(seq) + [value] * (width - len(seq))  # noqa: E731
+
+        def pad(seq, value):
+            return list(seq) + [value] * (width - len(seq))
+
         return {
             "input_ids": torch.tensor([pad(r["input_ids"], self.pad_id) for r in rows]),
             "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
-            "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
+            "labels": torch.tensor([pad(r["labels"], IGNORE_INDEX) for r in rows]),
         }
 
 
@@ -158,3 +170,44 @@ def sgd_args(output_dir, micro: int, accumulation: int, max_steps: int = -1, max
         disable_tqdm=True,
         **extra,
     )
+
+
+def train_recording(
+    trainer_cls, model, rows, output_dir, micro, accumulation, collator=None, trainer_kwargs=None, **args
+):
+    """Train `model` on `rows` with SGD lr 1 (`args`: more TrainingArguments). Returns (trainer, each window's rows,
+    the parameters before training and after each step). `collator`: a RecordingCollator (or one that records alike)."""
+    collator, snapshots = collator or RecordingCollator(), SnapshotCallback()
+    trainer = trainer_cls(
+        model=model,
+        args=sgd_args(output_dir, micro, accumulation, **args),
+        train_dataset=rows,
+        data_collator=collator,
+        callbacks=[snapshots],
+        **(trainer_kwargs or {}),
+    )
+    trainer.train()
+    windows = [sum(collator.batches[i : i + accumulation], []) for i in range(0, len(collator.batches), accumulation)]
+    return trainer, windows, snapshots.snapshots
+
+
+def model_at(initial, snapshot):
+    """A copy of `initial` with the parameters of `snapshot`."""
+    model = copy.deepcopy(initial)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(snapshot[name])
+    return model
+
+
+def step_errors(initial, windows, snapshots, **reference):
+    """Per optimizer step: (relative error of the applied gradient, reference token-mean loss). `reference`: how the
+    reference reads the model (`forward`, `shift`, `label_smoothing` of `reference_gradient`)."""
+    if len(snapshots) != len(windows) + 1:
+        raise ValueError(f"{len(snapshots)} parameter snapshots for {len(windows)} windows: one per step, plus one")
+    results = []
+    for k, window in enumerate(windows):
+        grads, loss = reference_gradient(model_at(initial, snapshots[k]), window, **reference)
+        applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in grads}
+        results.append((relative_error(applied, grads), loss))
+    return results

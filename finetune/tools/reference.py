@@ -1,0 +1,119 @@
+"""The reference gradient: the token-mean cross-entropy over a window's rows, each sequence alone and unpadded.
+
+The one brute force that the exactness tests, scripts/exactness.py and `finetune.verify` (through reference_check)
+compare training with. It shares no code with what it checks: the loss is written out here with the plain definition
+(the mean over every target token of the window of −log softmax(logits[t])[target]), not taken from `finetune.loss`,
+and each sequence runs alone, so no padding, packing, accumulation or rank can enter it.
+
+- `window_gradient`: the model as it is placed (verify puts it in float64 where it fits, else float32), optionally
+  with each micro-batch's share of the gradient.
+- `reference_gradient`: a float64 copy of the model with dropout off (what the tests and scripts/exactness.py use).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import torch
+
+from finetune.labels import IGNORE_INDEX
+
+
+class WindowGradient(NamedTuple):
+    grads: dict[str, torch.Tensor]  # per trainable parameter
+    loss: float  # the token-mean loss
+    targets: int  # the window's target tokens
+    parts: list[dict[str, torch.Tensor]] | None  # per micro-batch: its share of `grads` (float32, CPU), if kept
+
+
+def silence_dropout(model) -> None:
+    """Dropout off, attention dropout included: the reference is the deterministic gradient."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def target_count(labels, shift: bool = True) -> int:
+    return int((torch.as_tensor(labels)[1 if shift else 0 :] != IGNORE_INDEX).sum())
+
+
+def sequence_loss(logits, labels, shift: bool = True, label_smoothing: float = 0.0):
+    """The summed cross-entropy of one sequence's targets. logits: [T, V], in the dtype the loss is computed in.
+
+    shift: position t predicts labels[t + 1] (a causal LM); without it labels[t] (masked LM, token classification, a
+    seq2seq decoder's logits). label_smoothing ε: each target's loss is (1 − ε)·(−log p[target]) + ε·mean over classes
+    of (−log p).
+    """
+    labels = torch.as_tensor(labels, device=logits.device)
+    if shift:
+        logits, labels = logits[:-1], labels[1:]
+    picked = labels != IGNORE_INDEX
+    log_p = torch.log_softmax(logits[picked], dim=-1)
+    losses = -log_p.gather(1, labels[picked].unsqueeze(1)).squeeze(1)
+    if label_smoothing:
+        losses = (1 - label_smoothing) * losses - label_smoothing * log_p.mean(dim=-1)
+    return losses.sum()
+
+
+def plain_logits(model, row: dict) -> torch.Tensor:
+    """[1, T, V] logits of one row's input_ids alone (the model returns a ModelOutput or a dict)."""
+    return model(input_ids=torch.as_tensor(row["input_ids"]).unsqueeze(0))["logits"]
+
+
+def window_gradient(
+    model,
+    micro_batches: list[list[dict]],
+    logits_of=plain_logits,
+    dtype=torch.float64,
+    shift: bool = True,
+    label_smoothing: float = 0.0,
+    keep_parts: bool = False,
+) -> WindowGradient:
+    """Token-mean cross-entropy gradient over all rows of `micro_batches` (rows: dicts with 1-D input_ids/labels),
+    one sequence at a time: each sequence's summed loss over the window's target count, backward alone (the
+    gradients add up). `logits_of(model, row)`: that row's [1, T, V] logits; the loss runs in `dtype`."""
+    rows = [row for micro_batch in micro_batches for row in micro_batch]
+    total = sum(target_count(row["labels"], shift) for row in rows)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    loss_sum, parts, previous = 0.0, [], {}
+    for micro_batch in micro_batches:
+        for row in micro_batch:
+            if not target_count(row["labels"], shift):
+                continue
+            logits = logits_of(model, row)[0].to(dtype)
+            loss = sequence_loss(logits, row["labels"], shift, label_smoothing)
+            (loss / total).backward()
+            loss_sum += float(loss.detach())
+        if keep_parts:  # this micro-batch's share: the running sum now minus before
+            now = {
+                n: p.grad.float().cpu() if p.grad is not None else torch.zeros(p.shape) for n, p in trainable.items()
+            }
+            parts.append({n: g - previous[n] if previous else g for n, g in now.items()})
+            previous = now
+    grads = {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in trainable.items()}
+    return WindowGradient(grads, loss_sum / max(total, 1), total, parts if keep_parts else None)
+
+
+def reference_gradient(model, sequences: list[dict], forward=None, shift: bool = True, label_smoothing: float = 0.0):
+    """The float64 token-mean gradient over `sequences` of a copy of `model` with dropout off.
+
+    Returns ({name: float64 grad} for every parameter, zeros where frozen, float64 mean loss). `forward(model, seq)`
+    returns [1, T, V] logits for one sequence (default: the model on its input_ids).
+    """
+    ref = copy.deepcopy(model).to(torch.float64)
+    ref.train()
+    silence_dropout(ref)
+    result = window_gradient(ref, [sequences], forward or plain_logits, torch.float64, shift, label_smoothing)
+    grads = {n: result.grads.get(n, torch.zeros_like(p)).detach().clone() for n, p in ref.named_parameters()}
+    return grads, result.loss
+
+
+def relative_error(applied: dict, reference: dict) -> float:
+    """‖applied − reference‖ / ‖reference‖ over every parameter of `reference`, in float64."""
+    num = sum(float(((applied[n].double() - reference[n]) ** 2).sum()) for n in reference)
+    den = sum(float((reference[n] ** 2).sum()) for n in reference)
+    return (num / den) ** 0.5

@@ -1,0 +1,105 @@
+"""Starting the commands and the test workers as a user would: the entry scripts, torchrun, `accelerate launch` on
+two CPU ranks, a run that is sent a signal; and reading what a run left (its one error line, its per-step logs, its
+weights bit for bit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+# `accelerate launch` on two ranks (real DDP; on gloo with ACCELERATE_USE_CPU=true): the script and its arguments follow
+TWO_RANKS = [
+    ACCELERATE,
+    "launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--main_process_port",
+    "0",
+]
+LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
+
+
+def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **kwargs):
+    """A command (`tool`: a script path, or a module for -m) with `args`, from the repository root."""
+    cmd = [sys.executable, tool] if tool.endswith(".py") else [sys.executable, "-m", tool]
+    return subprocess.run(
+        [*cmd, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        **kwargs,
+    )
+
+
+def torchrun(script_args: list[str], nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` on `nproc` CPU ranks; with `check`, the run must succeed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
+    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def two_rank_eval(kind: str, tmp_path: Path) -> dict:
+    """tests/workers/eval_worker.py `kind` on two ranks: {eval batch size: that evaluation's figures}."""
+    out = tmp_path / "eval.json"
+    torchrun(["tests/workers/eval_worker.py", kind, str(out), str(tmp_path / "trainer")])
+    return json.loads(out.read_text())
+
+
+def signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
+    """Start cmd, send `sig` once a stdout line contains after_line; (exit code, stdout)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if after_line in line:
+            proc.send_signal(sig)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=600), "".join(lines)
+
+
+def assert_one_error(result, message: str, out: Path | None = None, code: int = 2) -> None:
+    """Exit `code`, one `error:` line matching `message`, no traceback, nothing written under `out`."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == code, result.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(message, errors[0]), errors[0]
+    if out is not None:
+        assert not out.exists() or not any(out.rglob("*")), list(out.rglob("*"))
+
+
+def step_logs(folder: Path) -> list[dict]:
+    """The per-step entries of a saved trainer_state.json, with the fields a resumed run must repeat."""
+    history = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+    return [{k: e.get(k) for k in LOGGED} for e in history if "loss" in e and "grad_norm" in e]
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    """The same per-step logs and bitwise the same weights (the model or the LoRA adapter)."""
+    assert step_logs(folder) == step_logs(reference)
+    name = "model.safetensors" if (reference / "model.safetensors").is_file() else "adapter_model.safetensors"
+    got, want = load_file(folder / name), load_file(reference / name)
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"weights differ bitwise: {different[:3]}"
