@@ -282,9 +282,9 @@ class RecipeTrainer(TokenNormTrainer):
         from finetune.training.optim import build_optimizer
 
         if self.optimizer is None:
-            target = model if model is not None else self.model
+            trained = model if model is not None else self.model
             self.optimizer = build_optimizer(
-                target, self.optim_config, self.peak_lr, grad_scaled=self.accelerator.scaler is not None
+                trained, self.optim_config, self.peak_lr, grad_scaled=self.accelerator.scaler is not None
             )
         return super().create_optimizer(model)
 
