@@ -1,4 +1,6 @@
-"""Whether the files of a model folder or a checkpoint are whole, each damaged file named, before anything loads.
+"""Whether the files of a model folder or a checkpoint are whole, each damaged file named, before anything loads;
+and `commit`, the package's one write-then-rename: whatever is saved (a checkpoint, the best model, a converted model
+in the cache) is written aside, flushed to disk, then renamed into place, so it is complete or absent.
 
 Checked by kind, cheaply: a JSON file parses; a safetensors file has its header and every tensor byte the header
 promises (a cut file is short of them); a torch file (.pt/.pth/.bin, a zip) has its directory, which zip keeps at the
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
 
 from finetune.recipe import first_line
@@ -63,3 +66,44 @@ def folder_problems(folder: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
             if relative not in skip and (problem := file_problem(os.path.join(root, name))):
                 problems[relative] = problem
     return problems
+
+
+# ---- written whole ----
+
+
+def fsync(path: str) -> None:
+    """One file's or folder's entry flushed to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def flush_tree(path: str) -> None:
+    """Every file under `path` (a folder, or one file) and every folder flushed to disk."""
+    if not os.path.isdir(path):
+        fsync(path)
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fsync(os.path.join(folder, name))
+        fsync(folder)
+
+
+def commit(staged: str, final: str) -> None:
+    """Move a fully written file or folder into place in one rename (same filesystem: `staged` is beside `final` or
+    in a folder next to it).
+
+    The files are flushed to disk first, so after a power loss the rename never points at empty files.
+    """
+    flush_tree(staged)
+    if os.path.isdir(staged) and os.path.exists(final):  # e.g. resumed from an older checkpoint: the new one wins
+        old = staged + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, final)
+    fsync(os.path.dirname(os.path.abspath(final)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +15,7 @@ from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from finetune.env import cache_dir
-from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, folder_problems
+from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, commit, folder_problems
 from finetune.model.freeze import add_lora, freeze
 from finetune.recipe import ModelConfig, RecipeError, first_line
 
@@ -84,7 +83,7 @@ def cached_folder(name: str, stamp: str, build) -> Path:
             scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
             try:
                 build(scratch)
-                os.replace(scratch, folder)
+                commit(str(scratch), str(folder))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
     return folder

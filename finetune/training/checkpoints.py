@@ -8,22 +8,22 @@ checkpoint_files.py) and finetune_state.json (our counters and the data position
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
-import shutil
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from finetune.recipe import RecipeError, TrainConfig
+from finetune.model.files import commit
+from finetune.recipe import RecipeError, TrainConfig, first_line
 from finetune.training import checkpoint_files
-from finetune.training.write_faults import write_error, write_failure
+from finetune.training.staging import removed_when_empty, save_staged
 
-STAGING = ".staging"  # inside train.output_dir: checkpoints being written; never resumed from
+STAGING = ".staging"  # inside train.output_dir: checkpoints and the best model being written; never resumed from
 STATE_FILE = "finetune_state.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -35,36 +35,8 @@ def staging_root(output_dir: str) -> str:
     return os.path.join(output_dir, STAGING)
 
 
-def fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit(staged: str, final: str) -> None:
-    """Move a fully written checkpoint folder into place in one rename (same filesystem: both in output_dir).
-
-    The files are flushed to disk first, so after a power loss the rename never points at empty files.
-    """
-    for folder, _, files in os.walk(staged):
-        for name in files:
-            fsync(os.path.join(folder, name))
-        fsync(folder)
-    if os.path.exists(final):  # e.g. resumed from an older checkpoint: the new one replaces it
-        old = staged + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(staged, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staged, final)
-    fsync(os.path.dirname(os.path.abspath(final)))
-
-
 def is_complete(path: str) -> bool:
-    """Written by `commit`: our state file is the last file written before the rename."""
+    """Written by `save_atomically`: our state file is the last file written before the rename."""
     return os.path.isfile(os.path.join(path, STATE_FILE)) and os.path.isfile(os.path.join(path, "trainer_state.json"))
 
 
@@ -233,49 +205,30 @@ def load_rng_state(file: str) -> None:
 # ---- the Trainer's checkpoint hooks ----
 
 
-def save_atomically(trainer, save, model, trial) -> None:
-    """`save(model, trial)` (the Trainer's own _save_checkpoint) into output_dir/.staging, then renamed into place.
+def save_atomically(trainer, write: Callable[[str], None]) -> None:
+    """`write(root)`, the Trainer's own checkpoint save into `root` (RecipeTrainer.save_checkpoint_into), with
+    output_dir/.staging as root; once every rank has written its part, rank 0 renames it into place, then rotates.
 
-    transformers writes checkpoint-N in place, file after file: a kill mid-save leaves a folder that looks like a
-    checkpoint and would be resumed from. The Trainer writes it under output_dir/.staging instead (through
-    `trainer.staging`, read by its _get_output_dir); once every rank has written its part, rank 0 renames it into
-    place, then rotates.
+    transformers writes checkpoint-N in place, file after file: a kill mid-save would leave a folder that looks like a
+    checkpoint and would be resumed from (staging.py: the same skeleton as the best model and the final set).
     """
     from transformers.trainer_utils import rotate_checkpoints
 
     run_dir = trainer.args.output_dir
     name = f"checkpoint-{trainer.state.global_step}"
-    staged, final = os.path.join(staging_root(run_dir), name), os.path.join(run_dir, name)
-    if trainer.args.should_save:
-        shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
-    trainer.accelerator.wait_for_everyone()
-    trainer.staging = True
-    try:
-        save(model, trial)
-        trainer.accelerator.wait_for_everyone()  # every rank's files (rng_state_R.pth, FSDP shards) are in `staged`
-        if trainer.args.should_save:
-            for callback in trainer.callback_handler.callbacks:  # recipe.yaml, timings.jsonl: files of the run
-                for file_name, text in getattr(callback, "files_for_checkpoint", dict)().items():
-                    with open(os.path.join(staged, file_name), "w") as f:
-                        f.write(text)
-            checkpoint_files.record_sizes(staged)  # what resume checks each file against
-            write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
-            commit(staged, final)
-    except BaseException as e:  # a full disk, a bug, Ctrl-C: no half-written checkpoint stays behind
-        failure = write_failure(e, staged)
-        shutil.rmtree(staged, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(staging_root(run_dir))
-        if failure is not None:
-            raise write_error(run_dir, name, failure) from None
-        raise
-    finally:
-        trainer.staging = False
-    if trainer.args.should_save:
-        with contextlib.suppress(OSError):
-            os.rmdir(staging_root(run_dir))  # when empty
+
+    def finish(staged: str) -> None:
+        for callback in trainer.callback_handler.callbacks:  # recipe.yaml, timings.jsonl: files of the run
+            for file_name, text in getattr(callback, "files_for_checkpoint", dict)().items():
+                with open(os.path.join(staged, file_name), "w") as f:
+                    f.write(text)
+        checkpoint_files.record_sizes(staged)  # what resume checks each file against
+        write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
+        commit(staged, os.path.join(run_dir, name))
         rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
-    trainer.accelerator.wait_for_everyone()
+
+    with removed_when_empty(staging_root(run_dir), trainer.args.should_save) as root:
+        save_staged(trainer, os.path.join(root, name), name, lambda staged: write(root), finish)
 
 
 def rng_file(world_size: int, process_index: int) -> str:
@@ -291,7 +244,28 @@ def restore_rng_state(checkpoint: str, file_name: str) -> None:
             file=sys.stderr,
         )
         return
-    load_rng_state(file)
+    try:
+        load_rng_state(file)
+    except (RuntimeError, ValueError, KeyError, EOFError) as e:  # a damaged file, which the size check missed
+        raise RecipeError(
+            f"train.resume_from: {checkpoint}/{file_name} cannot be read ({first_line(e)}); resume "
+            "from an earlier checkpoint-N"
+        ) from None
+
+
+def optimizer_state_error(checkpoint: str, error: Exception) -> RecipeError:
+    """What the Trainer's failure to load optimizer.pt or scheduler.pt means: a damaged file, or another recipe."""
+    why = first_line(error)
+    if "zip archive" in why or "PytorchStreamReader" in why:  # the file itself, not the recipe
+        return RecipeError(
+            f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "
+            f"({why}); resume from an earlier checkpoint-N"
+        )
+    return RecipeError(
+        f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
+        "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
+        "train.output_dir"
+    )
 
 
 def epoch_seeded(sampler, seed: int):

@@ -100,10 +100,9 @@ def _read_deepspeed_file(path: str) -> dict:
     return data
 
 
-def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
-    ranks = world_size(env)
-    recipe = _recipe_batch(cfg, ranks)
-    # Values from the accelerate config's deepspeed_config fields (or --gradient_accumulation_steps/--gradient_clipping)
+def _deepspeed_sources(env: Mapping[str, str]) -> list[tuple[str, dict]]:
+    """(where, DeepSpeed values) of what the launch set: the accelerate config's deepspeed_config fields (or
+    --gradient_accumulation_steps/--gradient_clipping), then the DeepSpeed config file it names."""
     sources: list[tuple[str, dict]] = [
         (
             "the accelerate config (deepspeed_config)",
@@ -116,37 +115,53 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
     ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if ds_file and ds_file.lower() != "none":
         sources.append((ds_file, _read_deepspeed_file(ds_file)))
+    return sources
+
+
+def _same_number(value, expected) -> bool:
+    try:
+        return float(value) == float(expected)
+    except (TypeError, ValueError):
+        return False
+
+
+def _batch_problems(where: str, values: dict, recipe: dict[str, tuple[float, str]]) -> list[str]:
+    """DeepSpeed batch and clipping keys set (not "auto") to another value than the recipe's."""
+    return [
+        f'DeepSpeed {key}={values[key]} in {where} disagrees with the recipe\'s {recipe_text}; set it to "auto" '
+        "(or remove it) so the recipe decides"
+        for key, (expected, recipe_text) in recipe.items()
+        if values.get(key) is not None
+        and str(values[key]).lower() != "auto"
+        and not _same_number(values[key], expected)
+    ]
+
+
+def _section_problems(where: str, values: dict, precision: str) -> list[str]:
+    """DeepSpeed optimizer/scheduler sections (they replace the recipe's), and bf16/fp16 enabled against it."""
+    problems = [
+        f'{where} has a DeepSpeed "{key}" section, which would replace the recipe\'s {recipe_keys}; '
+        f"remove the section and set {recipe_keys} in the recipe"
+        for key, recipe_keys in (("optimizer", "optim.*"), ("scheduler", "schedule.*"))
+        if key in values
+    ]
+    for key in ("bf16", "fp16"):
+        section = values.get(key)
+        enabled = section.get("enabled") if isinstance(section, dict) else None
+        if enabled is not None and str(enabled).lower() != "auto" and bool(enabled) != (precision == key):
+            problems.append(
+                f"DeepSpeed {key}.enabled={str(enabled).lower()} in {where} disagrees with the recipe's "
+                f'train.precision={precision}; set it to "auto" so the recipe decides'
+            )
+    return problems
+
+
+def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
+    recipe = _recipe_batch(cfg, world_size(env))
     problems = []
-    for where, values in sources:
-        for key, (expected, recipe_text) in recipe.items():
-            value = values.get(key)
-            if value is None or str(value).lower() == "auto":
-                continue
-            try:
-                same = float(value) == float(expected)
-            except (TypeError, ValueError):
-                same = False
-            if not same:
-                problems.append(
-                    f'DeepSpeed {key}={value} in {where} disagrees with the recipe\'s {recipe_text}; set it to "auto" '
-                    "(or remove it) so the recipe decides"
-                )
-        for key, recipe_keys in (("optimizer", "optim.*"), ("scheduler", "schedule.*")):
-            if key in values:
-                problems.append(
-                    f'{where} has a DeepSpeed "{key}" section, which would replace the recipe\'s {recipe_keys}; '
-                    f"remove the section and set {recipe_keys} in the recipe"
-                )
-        for key, precision in (("bf16", "bf16"), ("fp16", "fp16")):
-            section = values.get(key)
-            enabled = section.get("enabled") if isinstance(section, dict) else None
-            if enabled is None or str(enabled).lower() == "auto":
-                continue
-            if bool(enabled) != (cfg.train.precision == precision):
-                problems.append(
-                    f"DeepSpeed {key}.enabled={str(enabled).lower()} in {where} disagrees with the recipe's "
-                    f'train.precision={cfg.train.precision}; set it to "auto" so the recipe decides'
-                )
+    for where, values in _deepspeed_sources(env):
+        problems += _batch_problems(where, values, recipe)
+        problems += _section_problems(where, values, cfg.train.precision)
     return problems
 
 

@@ -19,20 +19,20 @@ restored from the checkpoint on resume (`restore_callback_states_from_checkpoint
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
+from finetune.model.files import commit
 from finetune.recipe import Config
 from finetune.training import distributed
-from finetune.training.checkpoints import commit, staging_root, write_error, write_failure
+from finetune.training.checkpoints import staging_root
+from finetune.training.staging import removed_when_empty, save_staged
 
 BEST = "best"  # train.output_dir/best: the model of the lowest eval loss (eval.best_checkpoint)
 BEST_FILE = "best.json"
@@ -60,29 +60,21 @@ def perplexity(loss: float) -> float:
 
 def save_best(trainer) -> None:
     """The model (and tokenizer or processor) into output_dir/best: staged, then renamed into place."""
-    out = trainer.args.output_dir
-    staged, final = os.path.join(staging_root(out), BEST), os.path.join(out, BEST)
-    if trainer.args.should_save:
-        shutil.rmtree(staged, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-    try:
+    run_dir = trainer.args.output_dir
+    final = os.path.join(run_dir, BEST)
+
+    def write(staged: str) -> None:
         with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
             trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-        if trainer.args.should_save:
-            with open(os.path.join(staged, BEST_FILE), "w") as f:
-                json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)
-            commit(staged, final)
-    except Exception as e:
-        failure = write_failure(e, staged)  # judged from the folder before it is removed (torch.save has no errno)
-        if failure is None:
-            raise
-        shutil.rmtree(staging_root(out), ignore_errors=True)
-        raise write_error(out, "the best model", failure) from None
-    if trainer.args.should_save:
-        with contextlib.suppress(OSError):
-            os.rmdir(staging_root(out))  # when empty
+
+    def finish(staged: str) -> None:
+        with open(os.path.join(staged, BEST_FILE), "w") as f:
+            json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)
+        commit(staged, final)
         tqdm.write(f"best eval loss so far ({trainer.state.best_metric:.4f}): model saved to {final}")
-    trainer.accelerator.wait_for_everyone()
+
+    with removed_when_empty(staging_root(run_dir), trainer.args.should_save) as root:
+        save_staged(trainer, os.path.join(root, BEST), "the best model", write, finish)
 
 
 class EarlyStopping(EarlyStoppingCallback):
@@ -90,7 +82,7 @@ class EarlyStopping(EarlyStoppingCallback):
     a recipe keeps it in output_dir/best instead (eval.best_checkpoint)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        pass  # metric_for_best_model and eval_strategy are set by training_arguments whenever this callback is added
+        pass  # metric_for_best_model and eval_strategy are set by arguments.eval_keys whenever this callback is added
 
 
 class EvaluateAtEnd(TrainerCallback):

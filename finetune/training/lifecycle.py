@@ -18,26 +18,28 @@ import torch
 from transformers import TrainerCallback
 
 from finetune.env import is_main_process, launch_kind, world_size
+from finetune.model.files import flush_tree
 from finetune.recipe import RecipeError, TrainConfig
 from finetune.training import output_dir
-from finetune.training.checkpoints import checkpoints_in, fsync, write_error, write_failure
+from finetune.training.checkpoints import checkpoints_in
+from finetune.training.staging import save_staged
 
 # ---- before training ----
 
 
-def check_writable(output_dir: str) -> None:
+def check_writable(run_dir: str) -> None:
     """Fail before training, not at the first save hours later; a folder made for the test is removed again."""
     if not is_main_process():
         return  # one rank probes: several probing one folder could not tell whose folder to remove
-    missing = [p for p in [output_dir, *map(str, Path(output_dir).parents)] if not os.path.exists(p)]
-    probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
+    missing = [p for p in [run_dir, *map(str, Path(run_dir).parents)] if not os.path.exists(p)]
+    probe = os.path.join(run_dir, f".write-test-{os.getpid()}")
     try:
-        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(run_dir, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
     except OSError as e:
         raise RecipeError(
-            f"train.output_dir={output_dir}: cannot write there ({e.strerror or type(e).__name__}); choose a "
+            f"train.output_dir={run_dir}: cannot write there ({e.strerror or type(e).__name__}); choose a "
             "writable folder"
         ) from None
     finally:
@@ -48,16 +50,16 @@ def check_writable(output_dir: str) -> None:
                 os.rmdir(folder)
 
 
-def check_space(output_dir: str, model: torch.nn.Module) -> None:
+def check_space(run_dir: str, model: torch.nn.Module) -> None:
     """A checkpoint holds the weights and about two optimizer states per trainable weight (AdamW's moments)."""
     params = list(model.parameters())
     need = sum(p.numel() * p.element_size() for p in params) + sum(p.numel() * 8 for p in params if p.requires_grad)
     # only rank 0 probes the folder (and removes it again), so on other ranks it may not exist yet
-    existing = next(p for p in [Path(output_dir), *Path(output_dir).parents] if p.exists())
+    existing = next(p for p in [Path(run_dir), *Path(run_dir).parents] if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need:
         raise RecipeError(
-            f"train.output_dir={output_dir}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
+            f"train.output_dir={run_dir}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
             f"{need / 2**30:.2f} GiB; free disk space or choose another train.output_dir"
         )
 
@@ -82,30 +84,19 @@ def save_final(trainer, texts: dict[str, str]) -> None:
     """The trained model, trainer_state.json and `texts` ({file name: content}) written whole beside train.output_dir,
     then swapped in as one set (finetune/training/output_dir.py): the folder holds this run's model or the last one's,
     never a mix, whenever the process dies."""
-    out = trainer.args.output_dir
-    staged = output_dir.sibling(out)
+    run_dir = trainer.args.output_dir
+
+    def finish(staged: str) -> None:
+        trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        for name, text in texts.items():
+            with open(os.path.join(staged, name), "w") as f:
+                f.write(text)
+        flush_tree(staged)  # on disk before the swap: a power loss never leaves empty files
+
+    staged = output_dir.sibling(run_dir)
+    save_staged(trainer, str(staged), "the final model", trainer.save_model, finish)  # every rank: FSDP/ZeRO-3 gather
     if trainer.args.should_save:
-        shutil.rmtree(staged, ignore_errors=True)
-    trainer.accelerator.wait_for_everyone()
-    try:
-        trainer.save_model(str(staged))  # every rank: FSDP/ZeRO-3 gather the weights
-        if trainer.args.should_save:
-            trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-            for name, text in texts.items():
-                with open(os.path.join(staged, name), "w") as f:
-                    f.write(text)
-            for folder, _, files in os.walk(staged):  # on disk before the swap: a power loss never leaves empty files
-                for name in files:
-                    fsync(os.path.join(folder, name))
-    except BaseException as e:  # whatever stopped it: nothing half-written stays behind
-        failure = write_failure(e, str(staged))
-        shutil.rmtree(staged, ignore_errors=True)
-        if failure is None:
-            raise
-        raise write_error(out, "the final model", failure) from None
-    trainer.accelerator.wait_for_everyone()
-    if trainer.args.should_save:
-        output_dir.swap_in(out, staged)
+        output_dir.swap_in(run_dir, staged)  # a swap killed on the way is finished by the next run (`recover`)
     trainer.accelerator.wait_for_everyone()
 
 

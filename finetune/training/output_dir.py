@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from finetune.env import is_main_process
+from finetune.model.files import fsync
 from finetune.recipe import RecipeError
-from finetune.training.checkpoints import fsync
 
 LOCK = ".lock"
 FINAL_SET = ".final_set.json"  # in a final set: the names of its files and folders

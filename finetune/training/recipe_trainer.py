@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 from transformers import PrinterCallback
 from transformers.utils import logging
 
-from finetune.recipe import RecipeError, first_line
+from finetune.recipe import RecipeError
 from finetune.trainer import TokenNormTrainer
 from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
 from finetune.training.eval_sets import evaluate_sets
@@ -73,7 +73,7 @@ class RecipeTrainer(TokenNormTrainer):
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
         self._window_finite: bool | torch.Tensor = True
         self._nonfinite_veto = False  # this step's verdict (non-finite loss or gradients): no update
-        self.staging = False  # True while a checkpoint is written: the Trainer's output dir is then the staging dir
+        self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
@@ -102,12 +102,20 @@ class RecipeTrainer(TokenNormTrainer):
             return None
         return super()._run_epoch(*args, **kwargs)
 
-    def _get_output_dir(self, trial):
-        run_dir = super()._get_output_dir(trial)
-        return checkpoints.staging_root(run_dir) if self.staging else run_dir
+    def _save_checkpoint(self, model, trial):  # staged, then renamed into place: complete or absent
+        checkpoints.save_atomically(self, lambda root: self.save_checkpoint_into(root, model, trial))
 
-    def _save_checkpoint(self, model, trial):
-        checkpoints.save_atomically(self, super()._save_checkpoint, model, trial)
+    def save_checkpoint_into(self, root: str, model, trial) -> None:
+        """The Trainer's own checkpoint save (root/checkpoint-N: weights, optimizer, RNG, trainer state; rotation in
+        root) with `root` in place of train.output_dir, which the Trainer asks `_get_output_dir` for."""
+        self._checkpoint_root = root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpoint_root = None
+
+    def _get_output_dir(self, trial):
+        return self._checkpoint_root or super()._get_output_dir(trial)
 
     def _save_rng_state(self, output_dir):
         # plain tensors and ints, so the file loads with torch.load(weights_only=True)
@@ -116,14 +124,7 @@ class RecipeTrainer(TokenNormTrainer):
 
     def _load_rng_state(self, checkpoint):
         if checkpoint is not None:
-            try:
-                checkpoints.restore_rng_state(checkpoint, self._rng_file())
-            except (RuntimeError, ValueError, KeyError, EOFError) as e:  # a damaged file, which the size check missed
-                why = first_line(e)
-                raise RecipeError(
-                    f"train.resume_from: {checkpoint}/{self._rng_file()} cannot be read ({why}); resume "
-                    "from an earlier checkpoint-N"
-                ) from None
+            checkpoints.restore_rng_state(checkpoint, self._rng_file())
 
     def _issue_warnings_after_load(self, load_result) -> None:
         # a tied head (lm_head.weight, embed_tokens.weight) is saved once: not a missing key of the checkpoint
@@ -137,17 +138,7 @@ class RecipeTrainer(TokenNormTrainer):
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except (ValueError, RuntimeError, KeyError) as e:
-            why = first_line(e)
-            if "zip archive" in why or "PytorchStreamReader" in why:  # the file itself, not the recipe
-                raise RecipeError(
-                    f"train.resume_from: {checkpoint}: optimizer.pt or scheduler.pt cannot be read "
-                    f"({why}); resume from an earlier checkpoint-N"
-                ) from None
-            raise RecipeError(
-                f"train.resume_from: the optimizer state in {checkpoint} does not fit this run ({why}); resume with "
-                "the recipe that wrote it (optim.name, model.freeze, model.lora), or start fresh in another "
-                "train.output_dir"
-            ) from None
+            raise checkpoints.optimizer_state_error(checkpoint, e) from None
 
     def checkpoint_state(self) -> dict:
         return {"nonfinite_skipped": self.nonfinite_skipped, "data_position": self._data_position()}
@@ -295,9 +286,9 @@ class RecipeTrainer(TokenNormTrainer):
         from finetune.training.optim import build_optimizer
 
         if self.optimizer is None:
-            target = model if model is not None else self.model
+            trained = model if model is not None else self.model
             self.optimizer = build_optimizer(
-                target, self.optim_config, self.peak_lr, grad_scaled=self.accelerator.scaler is not None
+                trained, self.optim_config, self.peak_lr, grad_scaled=self.accelerator.scaler is not None
             )
         return super().create_optimizer(model)
 

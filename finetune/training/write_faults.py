@@ -1,6 +1,6 @@
 """A save that failed to write (a full disk, a quota, a read-only or unwritable folder, a file size limit): one line
 naming what was written and advice that matches the errno, never a traceback. Used by every staged save
-(checkpoints.save_atomically, evaluation.save_best, lifecycle.save_final), which remove what they staged first."""
+(staging.save_staged: a checkpoint, the best model, the final set), which removes what it staged first."""
 
 from __future__ import annotations
 
