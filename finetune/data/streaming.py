@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.data.source_files import local_files
 from finetune.data.sources import (
     BadRow,
     DataReport,
@@ -30,7 +31,6 @@ from finetune.data.sources import (
     csv_records,
     file_kind,
     json_line_records,
-    local_files,
     open_data,
     read_error,
     reject_row,
