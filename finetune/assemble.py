@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments, set_seed
 
 from finetune.data import batching, heldout
+from finetune.data.chat_templates import use_chat_template
 from finetune.data.prompts import sample_prompts
 from finetune.data.vision import VisionCollator
 from finetune.env import world_size
@@ -54,6 +55,7 @@ def build(
     folder = loading.model_folder(cfg.model)
     vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
+    use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
 
     # data, the eval set (finetune/data/heldout.py) and batching, before the model: a bad row fails in seconds
     dataset, report, held_out = heldout.load_datasets(cfg, tokenizer, vision)
