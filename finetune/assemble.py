@@ -20,6 +20,7 @@ from finetune.data.prompts import sample_prompts
 from finetune.data.vision import VisionCollator
 from finetune.env import world_size
 from finetune.model import loading, vlm
+from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps
 from finetune.recipe.checks import precision_on_device, precision_warning
@@ -54,6 +55,7 @@ def build(
     # tokenizer (a GGUF is converted once into a plain folder in the cache)
     folder = loading.model_folder(cfg.model)
     vision = vlm.is_vlm(cfg, folder)  # image+text: a processor for a tokenizer, a VLM, image rows
+    check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
     use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
 

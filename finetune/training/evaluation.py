@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
+from finetune.model import lora_merge
 from finetune.recipe import Config, evaluates
 from finetune.training import distributed
 from finetune.training.checkpoints import commit, staging_root, write_error, write_failure
@@ -82,6 +83,7 @@ def save_best(trainer) -> None:
     try:
         with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
             trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+            lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
         if trainer.args.should_save:
             with open(os.path.join(staged, BEST_FILE), "w") as f:
                 json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)

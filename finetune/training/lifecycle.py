@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune.env import is_main_process, launch_kind, world_size
+from finetune.model import lora_merge
 from finetune.recipe import RecipeError, TrainConfig
 from finetune.training import output_dir
 from finetune.training.checkpoints import checkpoints_in, fsync, write_error, write_failure
@@ -89,6 +90,7 @@ def save_final(trainer, texts: dict[str, str]) -> None:
     trainer.accelerator.wait_for_everyone()
     try:
         trainer.save_model(str(staged))  # every rank: FSDP/ZeRO-3 gather the weights
+        lora_merge.write_merged(trainer, str(staged))  # model.lora.merge: the merged model, the adapter in adapter/
         if trainer.args.should_save:
             trainer.state.save_to_json(os.path.join(staged, "trainer_state.json"))
             for name, text in texts.items():
