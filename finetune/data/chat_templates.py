@@ -94,5 +94,7 @@ def use_chat_template(data: DataConfig, tokenizer) -> None:
     check_template(data.chat_template, tokenizer)
 
 
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def require_chat_template(tokenizer) -> None:
+    """Chat rows need a template: without one, the error names data.chat_template (not one bad row per row)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RecipeError(NO_TEMPLATE)

@@ -49,10 +49,10 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
     """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
     fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
-    from finetune.training import checkpoints, lifecycle, output_dir, reporting, resume_checks, run_summary
+    from finetune.training import checkpoints, console, lifecycle, output_dir, reporting, resume_checks, run_summary
 
     use_cpu_threads()
-    reporting.plain_console()  # in a log file: no library progress bars (each redraw would be a line fragment)
+    console.plain_console()  # in a log file: no library progress bars (each redraw would be a line fragment)
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
         lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
