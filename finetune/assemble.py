@@ -17,10 +17,12 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from finetune.data import batching, heldout, mixture
+from finetune.data.chat_templates import use_chat_template
 from finetune.data.prompts import sample_prompts
 from finetune.data.vision import VisionCollator
 from finetune.env import world_size
 from finetune.model import loading, vlm
+from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, accumulation_steps, eval_batching, evaluates, training_batching
 from finetune.recipe.checks import precision_on_device, precision_warning
@@ -51,7 +53,9 @@ def build(
     # tokenizer (a GGUF is converted once into a plain folder in the cache); image+text: a processor
     folder = loading.model_folder(cfg.model)
     vision = vlm.is_vlm(cfg, folder)
+    check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
+    use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
 
     # data, the eval set and batching, before the model: a bad row fails in seconds
     batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate)

@@ -53,6 +53,61 @@ def launch_kind(environ: Mapping[str, str] = os.environ) -> str:
     return "plain"
 
 
+THREADS = "OMP_NUM_THREADS"
+THREADS_OPTION = "--num_cpu_threads_per_process"  # accelerate launch's own way to choose it
+
+
+def launcher(pid: int | None = None) -> tuple[dict[str, str], list[str]] | None:
+    """The environment and command line the launcher process (this one's parent) was started with, where /proc
+    shows them (Linux); None elsewhere."""
+    pid = os.getppid() if pid is None else pid
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in environ if item)
+    return {k: v for k, _, v in pairs}, [a.decode(errors="replace") for a in argv if a]
+
+
+def threads_chosen(environ: Mapping[str, str] = os.environ, launched_by=launcher) -> int | None:
+    """OMP_NUM_THREADS when the user chose it, else None. `accelerate launch` sets it to 1 (torchrun too, for
+    several ranks) when the user did not: under a launcher it counts only where the launcher's own environment had
+    it or `--num_cpu_threads_per_process` was passed (where that cannot be seen, it counts)."""
+    value = environ.get(THREADS, "").strip()
+    if not value.isdigit() or int(value) < 1:
+        return None
+    if launch_kind(environ) != "plain":
+        seen = launched_by()
+        if seen is not None and THREADS not in seen[0] and not any(a.startswith(THREADS_OPTION) for a in seen[1]):
+            return None  # the launcher's default, not the user's choice
+    return int(value)
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads do not speed up matrix products)."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or logical
+    except ImportError:
+        physical = logical
+    return max(1, min(physical, logical))
+
+
+def cpu_threads(environ: Mapping[str, str] = os.environ, launched_by=launcher) -> tuple[int, str]:
+    """(threads for a CPU run, why): OMP_NUM_THREADS where the user chose it, else every physical core shared by
+    the ranks on this machine."""
+    chosen = threads_chosen(environ, launched_by)
+    if chosen is not None:
+        return chosen, f"{THREADS}={chosen}"
+    ranks = local_world_size(environ)
+    cores = physical_cores()
+    share = f" shared by {ranks} ranks" if ranks > 1 else ""
+    return max(1, cores // ranks), f"{cores} physical cores{share}; {THREADS}=N chooses"
+
+
 def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Where converted models, assembled VLMs and built-in data sets are kept: $FINETUNE_CACHE or ~/.cache/finetune."""
     return Path(environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))

@@ -105,7 +105,7 @@ def test_sub_package_modules_stay_small():
 
 
 def test_the_process_environment_is_read_in_finetune_env_only():
-    names = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FINETUNE_CACHE"}
+    names = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "FINETUNE_CACHE", "OMP_NUM_THREADS"}
     readers = [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.value}"
         for path in PACKAGE.rglob("*.py")

@@ -23,6 +23,7 @@ import difflib
 import functools
 from typing import TYPE_CHECKING, Any
 
+from finetune.data.chat_templates import require_chat_template
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError, first_line
@@ -160,6 +161,7 @@ def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT
 
 
 def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    require_chat_template(tokenizer)  # a base model: one error naming data.chat_template, not one per row
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's raise_exception: e.g. roles that do not alternate

@@ -1,6 +1,6 @@
 """What trains: `model.freeze` (module-name prefixes; a frozen module that needs no input gradient runs under
-no_grad) and LoRA (`model.lora`, peft). `matches_prefix` is the one rule for module-name prefixes, shared with
-`optim.lr_multipliers`."""
+no_grad) and LoRA (`model.lora`, peft; its keys checked against the model by `check_lora`). `matches_prefix` is the
+one rule for module-name prefixes, shared with `optim.lr_multipliers`."""
 
 from __future__ import annotations
 
@@ -57,17 +57,69 @@ def _leave_no_grad(module, args, kwargs, output):
         torch.set_grad_enabled(True)
 
 
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
+
+
+def lora_targets(target_modules: list[str] | str) -> list[str] | str:
+    """What peft's `target_modules` gets: module names, or the string all-linear (alone, or as the only list item)."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if ALL_LINEAR in names:
+        if len(names) > 1:
+            raise RecipeError(
+                f"model.lora.target_modules={names}: {ALL_LINEAR} already means every linear layer; give it alone "
+                "or list module names"
+            )
+        return ALL_LINEAR
+    return names
+
+
 def add_lora(model, cfg: ModelConfig):
     from peft import LoraConfig, get_peft_model
 
+    targets = lora_targets(cfg.lora.target_modules)
     lora = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
+        target_modules=targets,
         task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, lora)
     except ValueError as e:  # peft's refusals: target modules that match nothing, or that LoRA cannot wrap
-        raise RecipeError(f"model.lora.target_modules={list(cfg.lora.target_modules)}: {first_line(e)}") from None
+        raise RecipeError(f"model.lora.target_modules={targets}: {first_line(e)}") from None
+
+
+def check_lora(cfg: ModelConfig, folder: str, vision: bool) -> None:
+    """model.lora's keys against each other and the model, before anything loads: merge needs LoRA and a base in
+    full precision (a merged quantized base would be dequantized weights plus a delta, not the model that trained);
+    all-linear is for text models (a VLM's LoRA stays inside its language model, by module names)."""
+    lora = cfg.lora
+    if lora.merge and not lora.enabled:
+        raise RecipeError("model.lora.merge=true needs model.lora.enabled=true (it merges the trained adapter)")
+    if vision and lora.enabled and lora_targets(lora.target_modules) == ALL_LINEAR:
+        raise RecipeError(
+            f"model.lora.target_modules={ALL_LINEAR} is for text models; for a vision-language model list the "
+            "language model's module names (e.g. [q_proj, k_proj, v_proj, o_proj])"
+        )
+    if lora.enabled and lora.merge and (method := quantization(folder, cfg.trust_remote_code)):
+        raise RecipeError(
+            f"model.lora.merge=true: model.name_or_path={cfg.name_or_path} is quantized ({method}); merging into "
+            "quantized weights changes them; set model.lora.merge=false (the adapter is saved) and merge it into "
+            "the full-precision base with peft"
+        )
+
+
+def quantization(folder: str, trust_remote_code: bool = False) -> str | None:
+    """The quantization method named in a model folder's config.json (bitsandbytes, gptq, awq, …), or None."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None  # loading the model says what is wrong with the folder
+    settings = getattr(config, "quantization_config", None)
+    if not settings:
+        return None
+    method = settings.get("quant_method") if isinstance(settings, dict) else getattr(settings, "quant_method", None)
+    return str(getattr(method, "value", method) or "quantization_config in config.json")

@@ -60,7 +60,8 @@ class LoraConfig:
     r: int = number(8, min=1)
     alpha: int = number(16, min=0, min_exclusive=True)
     dropout: float = number(0.0, min=0, max=1, max_exclusive=True)
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])  # names, or all-linear
+    merge: bool = False  # the final save (and best/) is the merged full model; the adapter beside it in adapter/
 
 
 @dataclass
@@ -105,6 +106,7 @@ class DataConfig:
     max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget only
     num_workers: int = number(0, min=0)
     streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
+    chat_template: str | None = None  # chatml (built in) or a Jinja file: replaces the tokenizer's chat template
     # several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, name, format, …}]
     mixture: list[MixtureSource] = field(default_factory=list)
 

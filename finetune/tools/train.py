@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+from finetune.env import cpu_threads
 from finetune.recipe import Config, load_config
 from finetune.tools.boundary import run_command
 from finetune.training import distributed
@@ -30,12 +31,28 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(body)
 
 
+def use_cpu_threads() -> None:
+    """A CPU run computes on every physical core (or on OMP_NUM_THREADS where the user chose it): `accelerate launch`
+    would otherwise leave it one thread. The line says how many."""
+    import torch
+
+    from finetune.training import reporting
+
+    if reporting.has_accelerator():
+        return
+    threads, why = cpu_threads()
+    torch.set_num_threads(threads)
+    reporting.main_print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why})")
+
+
 def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
     """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
     fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
-    from finetune.training import checkpoints, lifecycle, output_dir, reporting, resume_checks, run_summary
+    from finetune.training import checkpoints, console, lifecycle, output_dir, reporting, resume_checks, run_summary
 
+    use_cpu_threads()
+    console.plain_console()  # in a log file: no library progress bars (each redraw would be a line fragment)
     stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
         lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
+from finetune.model import lora_merge
 from finetune.model.files import commit
 from finetune.recipe import Config
 from finetune.training import distributed
@@ -66,6 +67,7 @@ def save_best(trainer) -> None:
     def write(staged: str) -> None:
         with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
             trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+            lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
 
     def finish(staged: str) -> None:
         with open(os.path.join(staged, BEST_FILE), "w") as f:

@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune.env import is_main_process, launch_kind, world_size
+from finetune.model import lora_merge
 from finetune.model.files import flush_tree
 from finetune.recipe import RecipeError, TrainConfig
 from finetune.training import output_dir
@@ -93,8 +94,12 @@ def save_final(trainer, texts: dict[str, str]) -> None:
                 f.write(text)
         flush_tree(staged)  # on disk before the swap: a power loss never leaves empty files
 
+    def write(staged: str) -> None:
+        trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
+        lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
+
     staged = output_dir.sibling(run_dir)
-    save_staged(trainer, str(staged), "the final model", trainer.save_model, finish)  # every rank: FSDP/ZeRO-3 gather
+    save_staged(trainer, str(staged), "the final model", write, finish)
     if trainer.args.should_save:
         output_dir.swap_in(run_dir, staged)  # a swap killed on the way is finished by the next run (`recover`)
     trainer.accelerator.wait_for_everyone()

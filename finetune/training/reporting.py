@@ -1,5 +1,5 @@
-"""What a run shows: W&B set-up, the console (start-up lines, one line per step, progress bar), a step-count check
-and the profiler; the end-of-run figures and table are run_summary.py's."""
+"""What a run shows: W&B set-up, start-up lines, a step-count check, timings.jsonl and the profiler; the console's
+step and evaluation lines and its progress bar are console.py's, the end-of-run figures and table run_summary.py's."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
-from transformers.trainer_callback import ProgressCallback
 
 from finetune.env import is_main_process
 from finetune.meter import TIMING_KEYS
+from finetune.model.lora_merge import MergedSaves
 from finetune.recipe import Config, RecipeError
-from finetune.training import evaluation
+from finetune.training.console import StepProgress
 
 
 def main_print(line: str) -> None:
@@ -127,39 +127,6 @@ class StepCountCheck(TrainerCallback):
             )
 
 
-STEP_FIELDS = [  # (log key, label, format) of the one console line per logged optimizer step
-    ("loss", "loss", "{:.4f}"),
-    ("learning_rate", "lr", "{:.3g}"),
-    ("grad_norm", "grad_norm", "{:.3g}"),
-    ("window_label_tokens", "targets", "{:.0f}"),
-    ("real_tokens_per_s", "tok/s", "{:.0f}"),
-    ("padding_efficiency", "real", "{:.0%}"),
-    ("mfu", "mfu", "{:.1%}"),
-    ("peak_mem_mb", "mem", "{:.0f} MB"),
-]
-
-
-def step_line(logs: dict, step: int, max_steps: int) -> str:
-    fields = [f"{label} {fmt.format(logs[key])}" for key, label, fmt in STEP_FIELDS if logs.get(key) is not None]
-    if logs.get("nonfinite_skipped"):  # only once a step was skipped (train.on_nonfinite=skip)
-        fields.append(f"skipped {logs['nonfinite_skipped']} non-finite")
-    return f"step {step}/{max_steps}  " + "  ".join(fields)
-
-
-class StepProgress(ProgressCallback):
-    """The Trainer's progress bar (ETA included) with tokens/s on it, and one readable line per logged step."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or self.training_bar is None or not logs:
-            return
-        if "loss" in logs and "grad_norm" in logs:
-            self.training_bar.write(step_line(logs, state.global_step, state.max_steps))
-            if logs.get("real_tokens_per_s") is not None:
-                self.training_bar.set_postfix_str(f"{logs['real_tokens_per_s']:.0f} tok/s")
-        elif "eval_loss" in logs:
-            self.training_bar.write(evaluation.eval_line(logs, state.global_step, state.max_steps))
-
-
 class TimingLog(TrainerCallback):
     """timings.jsonl on rank 0: per logged step its tokens/s, samples/s, peak memory and MFU, per evaluation its eval
     tokens/s; the figures trainer_state.json leaves out (a resumed run could not reproduce them). Kept in memory and
@@ -254,4 +221,6 @@ def callbacks(cfg: Config) -> list[TrainerCallback]:
         added.append(RecipeWandbCallback(cfg))
     if cfg.train.profile_steps:
         added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
+    if cfg.model.lora.merge:  # the final save and best/ are the merged model (finetune/model/lora_merge.py)
+        added.append(MergedSaves())
     return added
