@@ -124,11 +124,83 @@ def largest_fitting(values: list[int], fits) -> int | None:
     return low
 
 
+class Measured:
+    """Peak bytes of the trial steps so far (inf where one ran out of memory) and the memory each step started from."""
+
+    def __init__(self, trials: Trials, ddp: float):
+        self.trials, self.ddp = trials, ddp
+        self.peaks: dict[int, float] = {}
+        self.before: list[float] = []
+
+    def measure(self, value: int) -> float:
+        try:
+            start, peak = self.trials.peak(value)
+            self.before.append(start)
+            self.peaks[value] = peak + self.ddp
+        except self.trials.oom:
+            self.peaks[value] = math.inf
+        return self.peaks[value]
+
+
+def plan_on_gpu(trials: Trials, values: list[int], limit: float, runs: Measured):
+    """(predicted bytes per candidate, the index that fits, how): a real step per candidate tried, bisecting."""
+    index = largest_fitting(values, lambda v: runs.measure(v) <= limit)
+    longest = len(trials.longest["input_ids"])
+    return (
+        runs.peaks,
+        index,
+        f"{len(runs.peaks)} trial steps on {trials.device} at the longest row ({longest} tokens), candidates {values}",
+    )
+
+
+def plan_on_cpu(trials: Trials, values: list[int], limit: float, runs: Measured):
+    """A CPU out-of-memory cannot be caught: trials run while the line through the points so far says they are well
+    within the limit, and stay small; the line, refitted over all of them, predicts the rest."""
+    points: dict[int, float] = {}  # tokens → bytes a step adds
+    for value in values:
+        fixed, per_token = fit_line(points) if points else (0.0, 0.0)
+        tokens = trials.tokens(value)
+        expected = (max(runs.before) if runs.before else 0.0) + runs.ddp + fixed + per_token * tokens
+        if len(points) >= 2 and (expected > SAFE_TRIAL * limit or tokens > CPU_TRIAL_TOKENS):
+            break
+        points[tokens] = runs.measure(value) - runs.ddp - runs.before[-1]
+        if runs.peaks[value] > limit:
+            break
+    step, per_token = fit_line(points)
+    fixed = (
+        max(runs.before) + runs.ddp + step
+    )  # model, optimizer state, gradients, libraries: what every step starts from
+    predicted = {v: fixed + per_token * trials.tokens(v) for v in values}
+    index = largest_fitting(values, lambda v: predicted[v] <= limit)
+    longest = len(trials.longest["input_ids"])
+    how = (
+        f"cpu, {len(points)} trial steps at the longest row ({longest} tokens), RSS + peak tensor bytes: "
+        f"{fixed / GIB:.2f} GiB + {per_token / 2**20:.3f} MiB per token, candidates {values}"
+    )
+    return predicted, index, how
+
+
+def nothing_fits(key: str, first: int, trials: Trials, measured: dict, limit: float, limit_text: str) -> RecipeError:
+    return RecipeError(
+        f"nothing fits: {key}={first} ({trials.tokens(first)} tokens of the longest row) "
+        + ("ran out of memory" if measured[first] == math.inf else f"measured {measured[first] / GIB:.2f} GiB")
+        + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower data.max_length, train fewer "
+        "parameters (model.lora, model.freeze), set train.gradient_checkpointing=true, or use more memory"
+    )
+
+
+def planned_lr(cfg: Config, total: int) -> tuple[float, str]:
+    from finetune.training import schedules
+
+    o = cfg.optim
+    lr = schedules.scaled_lr(o.lr, total, o.lr_scaling, o.base_batch_size)
+    rule = f" ({o.lr_scaling} rule from {o.lr:g} at base {o.base_batch_size})" if o.lr_scaling != "none" else ""
+    return lr, f"{lr:g}" + (rule or " (no scaling rule; the global batch is kept)")
+
+
 def plan(
     cfg: Config, ranks: int, headroom: float = HEADROOM, memory_gib: float | None = None, trials: Trials | None = None
 ) -> Plan:
-    from finetune.training import schedules
-
     key, unit, total, values = candidates(cfg, ranks)
     if trials is None:
         with Trials(cfg, values[0]) as own:  # its trainer and temporary output folder go once the plan is made
@@ -139,82 +211,18 @@ def plan(
         base, base_text = available_bytes(trials.device)
     limit = (1 - headroom) * base
     limit_text = f"{1 - headroom:.0%} of {base / GIB:.2f} GiB, {base_text}"
-    ddp = trials.gradient_bytes if ranks > 1 else 0  # DDP's gradient buckets, absent from single-process trials
-    measured: dict[int, float] = {}
-    before: list[float] = []  # memory when each step started
-
-    def measure(value: int) -> float:
-        try:
-            start, peak = trials.peak(value)
-            before.append(start)
-            measured[value] = peak + ddp
-        except trials.oom:
-            measured[value] = math.inf
-        return measured[value]
-
-    longest = len(trials.longest["input_ids"])
-    if trials.on_gpu:
-        index = largest_fitting(values, lambda v: measure(v) <= limit)
-        predicted = measured
-        how = (
-            f"{len(measured)} trial steps on {trials.device} at the longest row ({longest} tokens), candidates {values}"
-        )
-    else:
-        # A CPU out-of-memory cannot be caught: trials run while the line through the points so far says they are
-        # well within the limit, and stay small; the line, refitted over all of them, predicts the rest.
-        points: dict[int, float] = {}  # tokens → bytes a step adds
-        for value in values:
-            fixed, per_token = fit_line(points) if points else (0.0, 0.0)
-            tokens = trials.tokens(value)
-            if len(points) >= 2 and (
-                max(before) + ddp + fixed + per_token * tokens > SAFE_TRIAL * limit or tokens > CPU_TRIAL_TOKENS
-            ):
-                break
-            points[tokens] = measure(value) - ddp - before[-1]
-            if measured[value] > limit:
-                break
-        step, per_token = fit_line(points)
-        fixed = max(before) + ddp + step  # model, optimizer state, gradients, libraries: what every step starts from
-        predicted = {v: fixed + per_token * trials.tokens(v) for v in values}
-        index = largest_fitting(values, lambda v: predicted[v] <= limit)
-        how = (
-            f"cpu, {len(points)} trial steps at the longest row ({longest} tokens), RSS + peak tensor bytes: "
-            f"{fixed / GIB:.2f} GiB + {per_token / 2**20:.3f} MiB per token, candidates {values}"
-        )
+    runs = Measured(trials, trials.gradient_bytes if ranks > 1 else 0)  # + DDP's gradient buckets on several ranks
+    predicted, index, how = (plan_on_gpu if trials.on_gpu else plan_on_cpu)(trials, values, limit, runs)
     if index is None:
-        first = values[0]
-        raise RecipeError(
-            f"nothing fits: {key}={first} ({trials.tokens(first)} tokens of the longest row) "
-            + ("ran out of memory" if measured[first] == math.inf else f"measured {measured[first] / GIB:.2f} GiB")
-            + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower data.max_length, train fewer "
-            "parameters (model.lora, model.freeze), set train.gradient_checkpointing=true, or use more memory"
-        )
+        raise nothing_fits(key, values[0], trials, runs.peaks, limit, limit_text)
     value = values[index]
-    lr = schedules.scaled_lr(cfg.optim.lr, total, cfg.optim.lr_scaling, cfg.optim.base_batch_size)
-    lr_text = f"{lr:g}" + (
-        f" ({cfg.optim.lr_scaling} rule from {cfg.optim.lr:g} at base {cfg.optim.base_batch_size})"
-        if cfg.optim.lr_scaling != "none"
-        else " (no scaling rule; the global batch is kept)"
-    )
-    eval_bytes, eval_text = eval_memory(trials, ddp, limit, limit_text)
+    lr, lr_text = planned_lr(cfg, total)
+    eval_bytes, eval_text = eval_memory(trials, runs.ddp, limit, limit_text)
+    peak = max(predicted[value], eval_bytes)
     return Plan(
-        key,
-        value,
-        total // (value * ranks),
-        ranks,
-        total,
-        unit,
-        max(predicted[value], eval_bytes),
-        limit,
-        limit_text,
-        lr,
-        lr_text,
-        how,
-        measured,
-        predicted,
-        eval_bytes,
-        eval_text,
-    )
+        key, value, total // (value * ranks), ranks, total, unit, peak, limit, limit_text, lr, lr_text, how,
+        runs.peaks, predicted, eval_bytes, eval_text,
+    )  # fmt: skip
 
 
 def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tuple[float, str]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune.env import is_main_process, world_size
 from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
@@ -86,25 +86,33 @@ def tolerance_for(cfg: Config) -> tuple[float, str]:
 
 def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     """Train `steps` optimizer steps of the recipe and check each; the checks on rank 0, [] elsewhere."""
+    from finetune.assemble import build
+    from finetune.tools.reference import silence_dropout
+    from finetune.training import recipe_trainer
+
+    recorder = WindowRecorder()
+    trainer_cls = recording_trainer(recipe_trainer.RecipeTrainer, recorder, steps)
+    with tempfile.TemporaryDirectory(prefix="finetune-verify-") as output_dir:
+        trial = replace(  # nothing saved, resumed, reported or loaded in worker processes
+            cfg,
+            train=replace(cfg.train, save_steps=0, resume_from=None, output_dir=output_dir),
+            log=replace(cfg.log, wandb_mode="disabled"),
+            data=replace(cfg.data, num_workers=0),
+        )
+        trainer = build(trial, trainer_cls=trainer_cls, evaluate=False)  # held-out rows stay out, unevaluated
+        silence_dropout(trainer.model)
+        trainer.train()
+    return check_windows(cfg, recorder, trainer) if is_main_process() else []
+
+
+def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCheck]:
+    """Each recorded window's applied gradient against the float64 brute force, one sequence at a time."""
     import gc
 
     import psutil
     import torch
 
-    from finetune.assemble import build
-    from finetune.tools.reference import silence_dropout, window_gradient
-    from finetune.training import recipe_trainer
-
-    recorder = WindowRecorder()
-    trainer_cls = recording_trainer(recipe_trainer.RecipeTrainer, recorder, steps)
-    cfg.train.save_steps, cfg.train.resume_from, cfg.log.wandb_mode, cfg.data.num_workers = 0, None, "disabled", 0
-    with tempfile.TemporaryDirectory(prefix="finetune-verify-") as output_dir:
-        cfg.train.output_dir = output_dir
-        trainer = build(cfg, trainer_cls=trainer_cls, evaluate=False)  # held-out rows stay out, unevaluated
-        silence_dropout(trainer.model)
-        trainer.train()
-    if not is_main_process():
-        return []
+    from finetune.tools.reference import window_gradient
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
     model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
