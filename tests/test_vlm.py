@@ -26,6 +26,7 @@ from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, l
 from finetune.tools.reference import reference_gradient, relative_error
 from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 from tests.data_files import write_jsonl
+from tests.launch import ONE_RANK, TWO_RANKS
 from tests.vlm_models import prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -533,23 +534,10 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
         "log.wandb_mode=disabled",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
     run_script([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
     run_script(
         [
-            accelerate,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
+            *TWO_RANKS,
             "finetune/train.py",
             *common,
             f"train.output_dir={two}",
@@ -574,17 +562,9 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
 def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_path):
     """recipes/vlm.yaml as users launch it (fewer, shorter steps); then AutoProcessor + AutoModelForImageTextToText."""
     out = tmp_path / "vlm"
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
     result = run_script(
         [
-            accelerate,
-            "launch",
-            "--num_processes",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
+            *ONE_RANK,
             "finetune/train.py",
             "recipe=recipes/vlm.yaml",
             f"train.output_dir={out}",

@@ -5,13 +5,13 @@ through `accelerate launch` on CPU (the data and steps made small in the test, n
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from finetune.recipe import accumulation_steps, load_config
 from finetune.training.schedules import peak_lr
+from tests.launch import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = "recipe=recipes/vlm_seed.yaml"
@@ -33,18 +33,10 @@ def test_the_seed_recipes_batch_schedule_and_lr():
 @pytest.mark.subprocess
 def test_the_seed_recipe_trains_through_accelerate_launch_on_cpu(tmp_path):
     out = tmp_path / "out"
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
     small = ["data.limit=24", "train.micro_batch_size=4", "train.global_batch_size=8", "train.max_steps=2"]
     result = subprocess.run(
         [
-            accelerate,
-            "launch",
-            "--num_processes",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
+            *ONE_RANK,
             "finetune/train.py",
             SEED,
             *small,
