@@ -29,7 +29,7 @@ ARGS = [
 STEP = re.compile(
     r"^step (\d+)/4  loss \d+\.\d{4}  lr \S+  grad_norm \S+  targets \d+  tok/s \d+  real \d+%  mem \d+ MB$"
 )
-EVAL = re.compile(r"^eval at step (\d+)/4  loss \d+\.\d{4}  ppl [\d.]+  targets [\d,]+  tok/s \d+$")
+EVAL = re.compile(r"^eval at step (\d+)/4  loss \d+\.\d{4}  ppl [\d.]+  acc \d\.\d{4}  targets [\d,]+  tok/s \d+$")
 
 
 def check_lines(lines: list[str]) -> None:
