@@ -75,6 +75,7 @@ def check_optim_and_schedule(config: Config) -> None:
 def check_config(config: Config) -> None:
     """Every cross-field rule of a loaded recipe; the first broken one is a RecipeError in the user's key names."""
     check_choices(config)
+    check_lr_scaling(config)
     check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
     check_named(config)
     check_run_length(config)
@@ -99,8 +100,8 @@ def check_choices(config: Config) -> None:
         raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
 
 
-def check_named(config: Config) -> None:
-    """Keys that name something: not empty; lr scaling names the batch its lr was tuned for."""
+def check_lr_scaling(config: Config) -> None:
+    """LR scaling names the batch its lr was tuned for (said before that batch's own bounds: 0 means unset)."""
     o = config.optim
     if o.lr_scaling != "none" and not o.base_batch_size:
         unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
@@ -108,6 +109,10 @@ def check_named(config: Config) -> None:
             f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
             f"{unit})"
         )
+
+
+def check_named(config: Config) -> None:
+    """Keys that name something are not empty."""
     if not config.train.output_dir.strip():
         raise RecipeError("train.output_dir is empty; set it to the folder the run writes to")
     if not config.model.name_or_path.strip():
