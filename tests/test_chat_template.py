@@ -3,11 +3,9 @@ ChatML template, its assistant-only labels exactly the assistant turns; a missin
 line naming the key, exit 2, nothing written."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,8 @@ from finetune.data.text import load_sft_dataset
 from finetune.labels import IGNORE_INDEX
 from finetune.model.loading import load_tokenizer, model_folder
 from finetune.recipe import DataConfig, RecipeError, load_config
+from tests import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONS = [
     [("user", f"What is {k} plus {k}?"), ("assistant", f"It is {2 * k}."), ("user", "Sure?"), ("assistant", "Yes.")]
     for k in range(16)
@@ -88,14 +86,7 @@ def test_template_file_is_used_as_given(base_model, tmp_path):
 
 def run(argv: list[str], out: Path) -> subprocess.CompletedProcess:
     base = ["recipe=recipes/debug.yaml", "data.limit=16", "train.max_steps=2", "log.wandb_mode=disabled"]
-    return subprocess.run(
-        [sys.executable, "finetune/train.py", *base, f"train.output_dir={out}", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    return launch.run([*base, f"train.output_dir={out}", *argv], timeout=600)
 
 
 @pytest.mark.subprocess

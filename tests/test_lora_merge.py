@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,15 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from finetune.model.loading import load_model, model_folder
 from finetune.recipe import load_config
+from tests import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = ["recipe=recipes/debug.yaml", "data.limit=32", "log.wandb_mode=disabled"]
 LORA = ["model.lora.enabled=true", "model.lora.merge=true"]
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def run(argv: list[str], out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "finetune/train.py", *BASE, f"train.output_dir={out}", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    return launch.run([*BASE, f"train.output_dir={out}", *argv], timeout=600)
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
