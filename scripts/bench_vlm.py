@@ -5,11 +5,12 @@
 
 Each mode trains in its own fresh process (same rows, same seed, same model) through `finetune.assemble.build` with
 8 rows per micro-batch (token_budget: 8 median-length rows' worth of padded tokens), 2 micro-batches per optimizer
-step; the first optimizer step is a warm-up, the later ones are timed. Per mode:
+step (`--micro-batch`, `--accumulation`); the first optimizer step is a warm-up, the later ones are timed. Per mode:
 - real_tokens_per_s: tokens of the rows themselves (no padding) through forward and backward per second;
 - samples_per_s: rows (image + caption) per second;
 - peak_mem_mb: the process's peak memory over the timed steps (CUDA: max_memory_allocated; CPU: VmHWM, reset first).
-The modes run on CPU (CUDA hidden), and again on CUDA where one is present (under the "cuda" key of the JSON).
+The modes run on CPU (CUDA hidden), and again on CUDA where one is present (under the "cuda" key of the JSON);
+`--device cuda` runs the CUDA ones only (`--device cpu` the CPU ones).
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def measure(overrides: list[str]) -> dict:
     }
 
 
-def budget_overrides(common: list[str]) -> list[str]:
-    """token_budget: as many padded tokens per micro-batch as MICRO rows of the median length."""
+def budget_overrides(common: list[str], micro: int, accumulation: int) -> list[str]:
+    """token_budget: as many padded tokens per micro-batch as `micro` rows of the median length."""
     from finetune.data.vision import load_vision_dataset
     from finetune.model import loading, vlm
     from finetune.recipe import load_config
@@ -131,14 +132,14 @@ def budget_overrides(common: list[str]) -> list[str]:
     processor = vlm.load_processor(cfg.model, loading.model_folder(cfg.model))
     rows, _ = load_vision_dataset(cfg.data, processor)
     lengths = sorted(rows["length"])
-    budget = MICRO * lengths[len(lengths) // 2]
-    return [f"data.max_tokens_per_micro_batch={budget}", f"train.global_batch_tokens={budget * ACCUMULATION}"]
+    budget = micro * lengths[len(lengths) // 2]
+    return [f"data.max_tokens_per_micro_batch={budget}", f"train.global_batch_tokens={budget * accumulation}"]
 
 
-def run_modes(common: list[str], env: dict) -> dict:
+def run_modes(common: list[str], env: dict, micro: int, accumulation: int) -> dict:
     results = {}
     for mode, extra in MODES.items():
-        extra = extra + (budget_overrides(common) if mode == "token_budget" else [])
+        extra = extra + (budget_overrides(common, micro, accumulation) if mode == "token_budget" else [])
         proc = subprocess.run(
             [sys.executable, __file__, "--variant", *common, *extra], cwd=ROOT, capture_output=True, text=True, env=env
         )
@@ -169,28 +170,37 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="3 optimizer steps per mode (2 timed)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per mode, the first untimed")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--micro-batch", type=int, default=MICRO, help=f"rows per micro-batch (default {MICRO})")
+    parser.add_argument("--accumulation", type=int, default=ACCUMULATION, help=f"default {ACCUMULATION}")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda", "both"), default="both", help="both (default): the CPU, and CUDA if present"
+    )
     args, overrides = parser.parse_known_args(argv)
     steps = 3 if args.quick else args.steps
     recipe = [a for a in overrides if a.startswith("recipe=")] or ["recipe=recipes/vlm_seed.yaml"]
+    micro, accumulation = args.micro_batch, args.accumulation
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     with tempfile.TemporaryDirectory() as out:
         common = [
             *recipe,
-            f"data.limit={MICRO * ACCUMULATION * (steps + 2)}",
-            f"train.micro_batch_size={MICRO}",
-            f"train.global_batch_size={MICRO * ACCUMULATION}",
+            f"data.limit={micro * accumulation * (steps + 2)}",
+            f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro * accumulation}",
             f"train.max_steps={steps}",
             "log.wandb_mode=disabled",
             "train.save_steps=0",
             f"train.output_dir={out}",
             *[a for a in overrides if not a.startswith("recipe=")],
         ]
-        env = {**os.environ, "WANDB_MODE": "disabled"}
-        results = run_modes(common, {**env, "CUDA_VISIBLE_DEVICES": ""})
-        print(f"VLM training throughput, {' '.join(recipe)}; {results['padded']['device']}\n{table(results)}")
-        import torch
-
-        if torch.cuda.is_available():
-            results["cuda"] = run_modes(common, env)
+        env, results = {**os.environ, "WANDB_MODE": "disabled"}, {}
+        if args.device != "cuda":  # the CPU's figures at the top level, CUDA's under "cuda"
+            results = run_modes(common, {**env, "CUDA_VISIBLE_DEVICES": ""}, micro, accumulation)
+            print(f"VLM training throughput, {' '.join(recipe)}; {results['padded']['device']}\n{table(results)}")
+        if args.device != "cpu" and torch.cuda.is_available():
+            results["cuda"] = run_modes(common, env, micro, accumulation)
             print(f"\n{results['cuda']['padded']['device']}\n{table(results['cuda'])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

