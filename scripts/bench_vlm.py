@@ -123,7 +123,8 @@ def measure(overrides: list[str]) -> dict:
 
 
 def budget_overrides(common: list[str], micro: int, accumulation: int) -> list[str]:
-    """token_budget: as many padded tokens per micro-batch as `micro` rows of the median length."""
+    """token_budget: as many padded tokens per micro-batch as `micro` rows of the median length (at least one row of
+    data.max_length)."""
     from finetune.data.vision import load_vision_dataset
     from finetune.model import loading, vlm
     from finetune.recipe import load_config
@@ -132,7 +133,7 @@ def budget_overrides(common: list[str], micro: int, accumulation: int) -> list[s
     processor = vlm.load_processor(cfg.model, loading.model_folder(cfg.model))
     rows, _ = load_vision_dataset(cfg.data, processor)
     lengths = sorted(rows["length"])
-    budget = micro * lengths[len(lengths) // 2]
+    budget = max(micro * lengths[len(lengths) // 2], cfg.data.max_length)  # a longest row must fit
     return [f"data.max_tokens_per_micro_batch={budget}", f"train.global_batch_tokens={budget * accumulation}"]
 
 

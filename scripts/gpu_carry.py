@@ -141,13 +141,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed and its needs (the ZeRO steps)")
     parser.add_argument("--part-mib", type=int, default=38, help="the GGUF's part size (MiB; default 38)")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python version (default 3.12)")
+    parser.add_argument("--parts", default="wheels,smollm2,gguf", help="which folders to write (default: all three)")
     args = parser.parse_args(argv)
+    fill = {
+        "wheels": lambda d: wheels(d, args.python, args.deepspeed),
+        "smollm2": smollm2_files,
+        "gguf": lambda d: gguf_parts(d, args.part_mib),
+    }
+    parts = args.parts.split(",")
+    if set(parts) - set(fill):
+        parser.error(f"--parts: unknown {', '.join(sorted(set(parts) - set(fill)))}; choose from {', '.join(fill)}")
     sys.path.insert(0, str(ROOT))
     args.out.mkdir(parents=True, exist_ok=True)
-    write_whole(args.out / "wheels", lambda d: wheels(d, args.python, args.deepspeed))
-    write_whole(args.out / "smollm2", smollm2_files)
-    write_whole(args.out / "gguf", lambda d: gguf_parts(d, args.part_mib))
-    for name in ("wheels", "smollm2", "gguf"):
+    for name in parts:
+        write_whole(args.out / name, fill[name])
+    for name in parts:
         folder = args.out / name
         parts = sorted(p.name for p in folder.iterdir())
         print(f"{folder}: {size_mib(folder):.1f} MiB, {len(parts)} files ({', '.join(parts)})")

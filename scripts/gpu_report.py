@@ -137,6 +137,44 @@ def _syncs(s: dict) -> list[str]:
     return lines
 
 
+def _quickstart(s: dict) -> list[str]:
+    f = s["figures"]
+    if not f:
+        return []
+    return [
+        "## Quickstart in bf16 (SmolLM2-135M-Instruct, recipes/quickstart.yaml)",
+        "",
+        f"- wall time {_fmt(f['wall_time_s'], '.1f')} s, {_fmt(f['real_tokens_per_s'], '.0f')} real tokens/s, "
+        f"peak memory {_fmt(f['peak_mem_mb'], '.0f')} MB",
+        f"- held-out loss {_fmt(f['eval_loss_first'], '.4f')} before the first step → {_fmt(f['eval_loss'], '.4f')} "
+        "at the end",
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
+
+
+def _vlm(s: dict) -> list[str]:
+    f = s["figures"]
+    modes = f.get("cuda", f)
+    if not modes:
+        return []
+    rows = [
+        [mode, f"{r['samples_per_s']:.1f}", f"{r['real_tokens_per_s']:.0f}", f"{r['peak_mem_mb']:.0f}"]
+        for mode, r in modes.items()
+    ]
+    return [
+        "## VLM seed recipe: training throughput",
+        "",
+        f"{next(iter(modes.values()))['device']}",
+        "",
+        *_table(["mode", "samples/s", "real tok/s", "peak MiB"], rows),
+        "",
+        f"command: `{s['command']}`",
+        "",
+    ]
+
+
 def write_report(report: dict, path: Path) -> None:
     env, steps = report["environment"], report["steps"]
     lines = [
@@ -155,6 +193,7 @@ def write_report(report: dict, path: Path) -> None:
         "",
     ]
     by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
+    by_kind |= {"quickstart_bf16": _quickstart, "vlm_bf16": _vlm}
     verify = [s for s in steps if s["name"].startswith("verify_")]
     for s in steps:
         if s["name"] in by_kind:

