@@ -12,9 +12,9 @@ optimizer steps, a checkpoint every --save-steps, an evaluation every --eval-ste
 Run B: the same command in a fresh folder, resumed from A's checkpoint at --resume-step; its per-step losses after
 that step must equal A's within the precision's tolerance (bitwise for fp32 on the CPU).
 Consolidated: A's folder loads with AutoModelForCausalLM.from_pretrained (output_loading_info: no missing, unexpected
-or mismatched keys) from safetensors only; its weights differ from the run's initial weights, and its eval loss,
-evaluated again here through the recipe's own eval set, equals the last eval loss A logged (the initial weights must
-give A's step-0 eval loss the same way, so "differs from the init" compares with the right init).
+or mismatched keys) from safetensors only, equals A's last checkpoint where that holds a model.safetensors, and its
+eval loss, evaluated again here through the recipe's own eval set and eval loop, equals the last eval loss A logged,
+which must differ from A's eval loss before the first step by more than the tolerance (trained, not initial weights).
 Best: best/ loads the same way, best.json's step and loss are the lowest eval loss A logged after a training step,
 and its weights give that loss again.
 Under FSDP (DeepSpeed) A's checkpoint must hold FSDP's sharded state (DeepSpeed's global_step folder): accelerate runs
@@ -164,20 +164,15 @@ class Evaluator:
         return self.trainer.evaluate()["eval_loss"]
 
 
-def initial_weights(recipe_args: list[str]) -> dict:
-    """The weights run A started from: the recipe's model loaded as finetune.assemble.load_model loads it (seeded)."""
-    from transformers import set_seed
+def same_as_checkpoint(weights: dict, checkpoint: Path) -> bool | None:
+    """Whether the loaded weights equal, bitwise, those in the last checkpoint's model.safetensors (None where the
+    checkpoint holds no such file: FSDP's sharded state)."""
+    from safetensors.torch import load_file
 
-    from finetune.model import loading
-    from finetune.recipe import load_config
-
-    cfg = load_config(recipe_args)
-    set_seed(cfg.train.seed)
-    return loading.load_model(cfg.model, loading.model_folder(cfg.model)).state_dict()
-
-
-def changed_tensors(weights: dict, init: dict) -> int:
-    return sum(not torch.equal(weights[k].float().cpu(), init[k].float().cpu()) for k in init if k in weights)
+    if not (checkpoint / "model.safetensors").is_file():
+        return None
+    saved = load_file(checkpoint / "model.safetensors")
+    return all(k in weights and torch.equal(weights[k], t.to(weights[k].dtype)) for k, t in saved.items())
 
 
 def check_sharded(checkpoint: Path, engine: str) -> dict:
@@ -204,31 +199,31 @@ def check_resume(a: Path, b: Path, b_output: str, resume_step: int, tolerance: f
     }
 
 
-def check_consolidated(a: Path, evaluator: Evaluator, init: dict, tolerance: float) -> dict:
+def check_consolidated(a: Path, evaluator: Evaluator, tolerance: float) -> dict:
+    """A's final model: loaded by from_pretrained from safetensors alone, no key missing or unexpected, the same
+    weights as its last checkpoint where that is readable, and its eval loss is the last one A logged, which differs
+    from A's eval loss before the first step (so these are trained weights, not the initial ones)."""
     weights, figures = load_saved(a)
     evals = eval_losses(a)
-    last_step, first_step = max(evals), min(evals)
-    loss, init_loss = evaluator.loss(weights), evaluator.loss(init)
+    last, first = max(evals), min(evals)
+    loss = evaluator.loss(weights)
     figures.update(
-        tensors_changed_from_init=changed_tensors(weights, init),
         eval_loss=loss,
-        logged_eval_step=last_step,
-        logged_eval_loss=evals[last_step],
-        rel_diff=relative(loss, evals[last_step]),
-        init_eval_loss=init_loss,
-        logged_initial_eval_step=first_step,
-        logged_initial_eval_loss=evals[first_step],
-        init_rel_diff=relative(init_loss, evals[first_step]),
+        logged_eval_step=last,
+        logged_eval_loss=evals[last],
+        rel_diff=relative(loss, evals[last]),
+        logged_initial_eval_loss=evals[first],
+        trained_rel_change=relative(evals[last], evals[first]),
+        equals_last_checkpoint=same_as_checkpoint(weights, a / f"checkpoint-{last}"),
         tolerance=tolerance,
     )
     keys_ok = figures["missing_keys"] == figures["unexpected_keys"] == figures["mismatched_keys"] == 0
     figures["pass"] = (
         keys_ok
         and figures["safetensors_only"]
-        and figures["tensors_changed_from_init"] > 0
-        and first_step == 0  # the init is checked against the evaluation before the first step
-        and figures["rel_diff"] <= tolerance
-        and figures["init_rel_diff"] <= tolerance
+        and first == 0  # the initial weights' loss: the evaluation before the first step
+        and figures["rel_diff"] <= tolerance < figures["trained_rel_change"]
+        and figures["equals_last_checkpoint"] is not False
     )
     return figures
 
@@ -327,7 +322,7 @@ def run_checks(args: argparse.Namespace, config: Path, engine: str, work: Path, 
     tolerance = RESUME_TOLERANCE[(precision, device)] if precision == "fp32" else RESUME_TOLERANCE[precision]
     report["resume"] = check_resume(a, b, b_output, args.resume_step, tolerance)
     evaluator = Evaluator(common, a, work / "eval")
-    report["consolidated"] = check_consolidated(a, evaluator, initial_weights(common), eval_tolerance)
+    report["consolidated"] = check_consolidated(a, evaluator, eval_tolerance)
     report["best"] = check_best(a, evaluator, eval_tolerance)
     report["wall_s"]["checks"] = time.perf_counter() - started
     return [name for name in ("sharded", "resume", "consolidated", "best") if not report[name]["pass"]]
