@@ -304,7 +304,9 @@ def run_checks(args: argparse.Namespace, config: Path, engine: str, work: Path, 
     from finetune.recipe import load_config
 
     common = recipe_args(args)
-    precision = load_config(common).train.precision  # a bad override fails here, before any run
+    cfg = load_config(common)  # a bad override fails here, before any run
+    precision = cfg.train.precision
+    report["eval_steps"] = cfg.eval.every_steps  # the overrides may set it
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report.update(precision=precision, device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     a, b = work / "a", work / "b"
@@ -339,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     if why := unavailable(engine):
-        out.write_text(json.dumps({**report, "skipped": why, "pass": None}, indent=1))
+        out.write_text(json.dumps({**report, "skipped": why, "passed": None, "failed": []}, indent=1))
         print(f"SKIP sharded_check {config.stem}: {why}")
         return 2
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="sharded-check-"))

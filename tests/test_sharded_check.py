@@ -55,6 +55,7 @@ def test_single_gpu_on_the_cpu_passes_every_check(checked):
     report, work, stdout = checked
     assert stdout.splitlines()[-1].startswith("PASS sharded_check single_gpu fp32")
     assert report["passed"] and report["failed"] == [] and report["precision"] == "fp32" and report["device"] == "cpu"
+    assert report["eval_steps"] == 1 and report["steps"] == 4 and report["resume_step"] == 2
     a_steps, a_evals = logged(work / "a")
     b_steps, _ = logged(work / "b")
     resume = report["resume"]
@@ -113,5 +114,6 @@ def test_consolidated_and_best_checks_fail_on_the_wrong_weights_or_step(checked,
 def test_sharded_configs_say_they_need_a_gpu(tmp_path, config):
     result = check(config, tmp_path / "out.json", "--work", str(tmp_path / "work"))
     assert result.returncode == 2 and "needs a GPU" in result.stdout
-    assert json.loads((tmp_path / "out.json").read_text())["skipped"].startswith(("fsdp needs", "deepspeed needs"))
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["passed"] is None and report["skipped"].startswith(("fsdp needs", "deepspeed needs"))
     assert not (tmp_path / "work").exists()  # nothing was launched
