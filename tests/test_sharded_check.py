@@ -76,6 +76,21 @@ def test_single_gpu_on_the_cpu_passes_every_check(checked):
     assert report["wall_s"]["run_a"] > 0 and report["wall_s"]["run_b"] > 0
 
 
+def test_the_gpu_report_row_holds_the_checks_figures(checked):
+    """scripts/gpu_check.py's report renders this JSON (on a GPU: fsdp2, zero2, zero3) as one table row."""
+    report, _, _ = checked
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "scripts" / "gpu_report.py")
+    gpu_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_report)
+    step = {"name": "sharded_single_gpu", "status": "passed", "reason": None, "figures": report}
+    row = gpu_report._sharded([step])[4]
+    whole, best = report["consolidated"], report["best"]
+    assert row.startswith("| single_gpu | passed | fp32 | 0.0e+00 (0) | ")
+    assert f"{whole['parameters']:,}, 0/0" in row
+    assert f"{whole['eval_loss']:.4f} vs {whole['logged_eval_loss']:.4f}" in row
+    assert f"| {best['step']} ({best['expected_step']}) |" in row
+
+
 def test_resume_check_fails_when_one_loss_moves_or_b_did_not_resume(checked, tmp_path):
     _, work, _ = checked
     output = (work / "b.log").read_text()
