@@ -171,28 +171,22 @@ def main(argv: list[str]) -> int:
             )
         steps = [s for s in steps if s.name in wanted]
     order = [s.name for s in steps_for(sizing)]
-    started = time.perf_counter()
-    for step in steps:
-        run_step(step, out / "logs", cuda)
-    results = {s.name: s.result for s in steps}
     command = shown([PY, "scripts/gpu_check.py", *argv])
-    earlier = out / "report.json"
-    commands = [command]
+    earlier, commands, results = out / "report.json", [command], {}
     if args.only and earlier.exists():  # keep the steps an earlier command of this report ran
         previous = json.loads(earlier.read_text())
         if previous.get("smoke") == args.smoke:
-            results = {**{s["name"]: s for s in previous["steps"]}, **results}
+            results = {s["name"]: s for s in previous["steps"]}
             commands = [*previous.get("commands", [previous.get("command")]), command]
-    report = {
-        "environment": environment(),
-        "smoke": args.smoke,
-        "command": " && ".join(commands),
-        "commands": commands,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "steps": [results[name] for name in order if name in results],
-    }
-    earlier.write_text(json.dumps(report, indent=2) + "\n")
-    write_report(report, out / "report.md")
+    report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands)}
+    report["commands"], started = commands, time.perf_counter()
+    for step in steps:  # the report is written after every step: a command stopped at its time limit keeps it
+        run_step(step, out / "logs", cuda)
+        results[step.name] = step.result
+        report |= {"wall_s": round(time.perf_counter() - started, 1)}
+        report["steps"] = [results[name] for name in order if name in results]
+        earlier.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, out / "report.md")
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     print(
         f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "

@@ -129,3 +129,23 @@ def test_a_step_that_needs_the_weights_is_skipped_unrun_without_them(tmp_path, m
     without = Step("other", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], 60, "done", needs_weights=False)
     gpu_check.run_step(without, tmp_path, cuda=False)
     assert ran.exists() and without.result["status"] == "failed"  # it ran (and printed no end-of-run table)
+
+
+@pytest.mark.subprocess
+def test_only_adds_its_steps_to_the_report_an_earlier_command_wrote(tmp_path):
+    """A lent machine runs 10 minutes a command: the check is split with --only, each command adding to one report."""
+    out = tmp_path / "report"
+    base = [sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(out), "--only"]
+    for only in ("sharded_zero3", "verify_fp32,sharded_fsdp2"):
+        done = subprocess.run([*base, only], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in report["steps"]] == [
+        "verify_fp32",
+        "sharded_fsdp2",
+        "sharded_zero3",
+    ]  # the check's order
+    assert len(report["commands"]) == 2 and report["command"] == " && ".join(report["commands"])
+    assert report["steps"][0]["figures"]["verdict"] == "PASS"
+    md = (out / "report.md").read_text()
+    assert "## Exactness: verify against float64" in md and "| zero3 | skipped |" in md
