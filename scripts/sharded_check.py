@@ -79,7 +79,8 @@ def unavailable(engine: str) -> str | None:
 def launch(config: Path, args: list[str], log: Path) -> tuple[int, float, str]:
     """One `accelerate launch` on one process: (exit code, wall seconds, its output)."""
     cmd = [ACCELERATE, "launch", "--config_file", str(config), "--num_processes", "1", "--dynamo_backend", "no"]
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # carried packages stay on it
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path}
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     start = time.perf_counter()

@@ -95,7 +95,7 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "WANDB_MODE": "disabled",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     # its own process group: a kill -9 reaches the launcher and every rank at once, as a lost machine does
     return subprocess.Popen(

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+# the repository first on PYTHONPATH, the caller's entries kept (a GPU machine's carried packages live there)
+ON_PATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 # `accelerate launch` on two ranks (real DDP; on gloo with ACCELERATE_USE_CPU=true): the script and its arguments follow
@@ -55,7 +57,7 @@ def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **
 def torchrun(script_args: list[str], nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --standalone` on `nproc` CPU ranks; with `check`, the run must succeed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
-    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    env = {**ENV, "PYTHONPATH": ON_PATH}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ENV, ROOT, assert_same_run, signalled, torchrun
+from tests.launch import ENV, ON_PATH, ROOT, assert_same_run, signalled, torchrun
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
 TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
@@ -234,7 +234,7 @@ def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
                 f"train.output_dir={out}",
             ],
             cwd=ROOT,
-            env={**ENV, "PYTHONPATH": str(ROOT)},
+            env={**ENV, "PYTHONPATH": ON_PATH},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -576,7 +576,7 @@ def test_sigterm_to_torchrun_with_two_ranks_saves_and_the_launcher_code_is_docum
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
-        env={**ENV, "PYTHONPATH": str(ROOT)},
+        env={**ENV, "PYTHONPATH": ON_PATH},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch import ON_PATH
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -39,7 +41,7 @@ def runs(tmp_path_factory):
         *RECIPE,
         f"train.output_dir={out.parent / 'run'}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ON_PATH, "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return torch.load(out, weights_only=False)
