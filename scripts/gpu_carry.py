@@ -31,7 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "omegaconf", "gguf")
 WHEELS += ("peft",)
 DEEPSPEED_NEEDS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson")
@@ -151,7 +150,6 @@ def main(argv: list[str]) -> int:
     parts = args.parts.split(",")
     if set(parts) - set(fill):
         parser.error(f"--parts: unknown {', '.join(sorted(set(parts) - set(fill)))}; choose from {', '.join(fill)}")
-    sys.path.insert(0, str(ROOT))
     args.out.mkdir(parents=True, exist_ok=True)
     for name in parts:
         write_whole(args.out / name, fill[name])
