@@ -193,9 +193,9 @@ def _sharded(steps: list[dict]) -> list[str]:
                 s["reason"] or "",
             ]
         )
-    header = ["config", "status", "precision", "resume: max rel. loss diff (bound)", "consolidated: params, missing/"]
-    header += ["unexpected", "eval loss reloaded vs logged", "best step (lowest logged)", "reason"]
-    header[4:6] = [header[4] + header[5]]
+    header = ["config", "status", "precision", "resume: max rel. loss diff (bound)"]
+    header += ["consolidated: params, missing/unexpected", "eval loss reloaded vs logged", "best step (lowest logged)"]
+    header += ["reason"]
     return ["## Sharded training on one GPU process", "", *_table(header, rows), ""]
 
 
