@@ -1,5 +1,6 @@
 """finetune.plan: the largest micro-batch that fits, global batch kept; measured on CPU with real training steps."""
 
+import json
 import os
 import re
 import subprocess
@@ -24,38 +25,26 @@ def run(cmd):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-def rss_high_water_mark() -> float:
-    with open("/proc/self/status") as f:
-        return float(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
-
-
 @pytest.fixture(scope="module")
 def debug32():
     cfg = load_config([DEBUG, "train.global_batch_size=32"])
     return cfg, memory_trials.Trials(cfg, 1)
 
 
-def step_high_water_mark(trials, value) -> float:
-    """Peak RSS of one worst-case training step at `value`, as the operating system counts it."""
-    memory_trials.trimmed_rss()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # restart the RSS high-water mark (Linux)
-    trials.peak(value)
-    return rss_high_water_mark()
-
-
 @pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
-def test_the_choice_fits_and_keeps_the_global_batch(debug32):
-    cfg, trials = debug32
+@pytest.mark.subprocess  # in a fresh process, as finetune-plan runs: see tests/workers/plan_worker.py
+def test_the_choice_fits_and_keeps_the_global_batch():
     # Just less memory than a step at micro-batch 32 takes: the plan must pick a smaller micro-batch that fits.
-    memory = step_high_water_mark(trials, 32) - 2**20
-    result = planner.plan(cfg, 1, headroom=0.1, memory_gib=memory / GIB, trials=trials)
-    assert 1 < result.value < 32
-    assert result.value * result.accumulation == 32 and result.global_batch == 32 and 32 % result.value == 0
-    assert result.peak_bytes <= result.limit_bytes == pytest.approx(0.9 * memory)
-    assert result.lr == cfg.optim.lr and f"set: train.micro_batch_size={result.value}" in result.describe()
+    done = run([sys.executable, "tests/workers/plan_worker.py"])
+    line = next((x for x in done.stdout.splitlines() if x.startswith("PLAN ")), None)
+    assert done.returncode == 0 and line, done.stdout[-2000:] + done.stderr[-3000:]
+    r = json.loads(line[len("PLAN ") :])
+    assert 1 < r["value"] < 32
+    assert r["value"] * r["accumulation"] == 32 and r["global_batch"] == 32 and 32 % r["value"] == 0
+    assert r["peak_bytes"] <= r["limit_bytes"] == pytest.approx(0.9 * r["memory"])
+    assert r["lr"] == r["config_lr"] and f"set: train.micro_batch_size={r['value']}" in r["describe"]
     # Really fits: a worst-case training step at the chosen micro-batch stays within the memory.
-    assert step_high_water_mark(trials, result.value) <= memory
+    assert r["chosen_step_high_water_mark"] <= r["memory"]
 
 
 @pytest.mark.e2e  # builds the debug recipe's trainer and runs real training steps
