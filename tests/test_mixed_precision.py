@@ -13,6 +13,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState
 
 from finetune.training.optim import step_implementation
+from tests.debug_model import debug_model_keys
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -77,6 +78,7 @@ def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, m
             "schedule.name=linear",
             f"train.output_dir={tmp_path}",
             "log.wandb_mode=disabled",
+            *debug_model_keys(),
         ]
     )
     assert train(cfg) == 0
@@ -177,7 +179,8 @@ def test_verify_reference_runs_in_its_own_dtype_not_the_runs_autocast():
 def test_verify_fp16_without_clipping_passes(capsys):
     from finetune.tools import verify
 
-    code = verify.main(["recipe=recipes/debug.yaml", "train.precision=fp16", "train.max_grad_norm=0"])
+    keys = ["train.precision=fp16", "train.max_grad_norm=0", *debug_model_keys()]
+    code = verify.main(["recipe=recipes/debug.yaml", *keys])
     out = capsys.readouterr().out
     assert code == 0 and "verify: PASS" in out, out
 

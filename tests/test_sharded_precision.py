@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from finetune.tools.reference import relative_error
+from tests.debug_model import debug_model_keys
 from tests.launch import ACCELERATE, ROOT, torchrun
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,6 +69,7 @@ def test_fsdp2_best_model_is_saved_whole_and_the_run_goes_on(tmp_path):
         "eval.best_checkpoint=true",
         "train.save_steps=2",
         f"train.output_dir={tmp_path}",
+        *debug_model_keys(),
     ]
     result = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
