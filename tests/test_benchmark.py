@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ["hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed", "hand_loop"]
+ARMS = ["hf_padded", "hf_flatten", "padded", "length_grouped", "token_budget", "packed"]
+ARMS += ["trl_padding_free", "trl_packing", "hand_loop"]  # TRL's SFTTrainer: trl is in the dev extras
 
 
 @pytest.mark.subprocess
@@ -58,6 +59,12 @@ def test_quick_run_writes_every_arm(tmp_path):
         assert r["computed_tokens_per_s"] >= r["real_tokens_per_s"], arm
     # padding-free arms compute no padding; random padded micro-batches of ragged rows do
     assert results["hf_flatten"]["real_token_share"] == results["packed"]["real_token_share"] == 1.0
+    assert results["trl_padding_free"]["real_token_share"] == results["trl_packing"]["real_token_share"] == 1.0
+    best_trl = results["packed"]["best_trl_arm"]
+    assert results[best_trl]["tokens_per_s_vs_best_trl"] == 1.0
+    assert results["packed"]["tokens_per_s_vs_best_trl"] == pytest.approx(
+        results["packed"]["real_tokens_per_s"] / results[best_trl]["real_tokens_per_s"]
+    )
     assert results["hf_padded"]["real_token_share"] < 0.9
     # hand_loop replays exactly the micro-batches hf_padded trained on
     for key in ("real_token_share", "timed_real_tokens", "timed_computed_tokens"):

@@ -27,8 +27,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cuda_args(output_dir, micro, accumulation, precision, **extra):
-    """SGD lr 1 (the parameter change is minus the applied gradient) on the GPU, in the given precision."""
-    return TrainingArguments(
+    """SGD lr 1 without clipping (the parameter change is minus the applied gradient) on the GPU, in the given
+    precision; `extra` overrides any of these."""
+    options = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
@@ -37,6 +38,7 @@ def cuda_args(output_dir, micro, accumulation, precision, **extra):
         optim="sgd",
         lr_scheduler_type="constant",
         weight_decay=0.0,
+        max_grad_norm=0.0,  # Trainer's default 1.0 would scale the applied gradient: 0.146 off on the first step
         report_to=[],
         save_strategy="no",
         seed=0,
@@ -45,8 +47,8 @@ def cuda_args(output_dir, micro, accumulation, precision, **extra):
         disable_tqdm=True,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        **extra,
     )
+    return TrainingArguments(**(options | extra))
 
 
 def train_on_cuda(model, rows, tmp_path, micro, accumulation, precision, **extra):
