@@ -14,7 +14,11 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   per-batch means: it does not move with the eval batch size, the last short batch or the number of ranks.
   `eval_token_accuracy` is the share of those positions whose argmax is the label.
 - **An empty window** (no labelled token on any rank) makes no update (`updates_weights`), instead of moving the
-  weights by optimizer momentum and decay.
+  weights by optimizer momentum and decay, whatever built the optimizer (the gate is hooked onto it at the first
+  window).
+- **A loss from elsewhere** (a subclass's `compute_loss` that does not call this one) is trained by `Trainer`'s own
+  rule for it, with one warning (`finetune/step_verdict.py` keeps what decides each step); `require_exact=True`
+  raises instead.
 - **Per-step figures**: `window_label_tokens`, `padding_efficiency`, `mean_sequence_tokens`, `clip_factor` in the log
   history; tokens/s, samples/s, peak memory and MFU go to every `on_log` callback (console, W&B), not to
   `trainer_state.json`, whose log history a resumed run reproduces exactly.
@@ -68,6 +72,7 @@ from finetune.meter import (
     matmul_parameters,
     window_counts,
 )
+from finetune.step_verdict import StepVerdict
 
 logger = logging.get_logger(__name__)
 
@@ -75,11 +80,13 @@ logger = logging.get_logger(__name__)
 class TokenNormTrainer(Trainer):
     """`transformers.Trainer` with exact token-mean gradients and eval loss (see the module docstring).
 
-    Same constructor as `Trainer`, plus `peak_flops` (the device's peak FLOP/s for MFU; default: a table of GPUs).
+    Same constructor as `Trainer`, plus `peak_flops` (the device's peak FLOP/s for MFU; default: a table of GPUs) and
+    `require_exact` (True: where this trainer would fall back to `Trainer`'s own loss, it raises instead).
     """
 
-    def __init__(self, *args, peak_flops: float | None = None, **kwargs):
+    def __init__(self, *args, peak_flops: float | None = None, require_exact: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.require_exact = require_exact
         if self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise NotImplementedError(
                 "TokenNormTrainer computes the loss from full-sequence logits; context/sequence parallelism shards "
@@ -88,7 +95,7 @@ class TokenNormTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.loss_kind = loss_kind(unwrapped)
         if self.loss_kind is None:
-            logger.warning(
+            self._fall_back(
                 f"TokenNormTrainer: {type(unwrap_peft_model(unwrapped)).__name__} has loss type "
                 f"{loss_type_of(unwrap_peft_model(unwrapped))!r}, not a loss this trainer computes (causal LM, "
                 "masked LM / token classification, sequence-to-sequence, sequence classification / regression / "
@@ -115,7 +122,8 @@ class TokenNormTrainer(Trainer):
         # never exist whole) once the first training forward has shown that the model returns the head's output
         # unchanged. None: not known yet; False: use the model's logits.
         self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
-        self._window_label_tokens: int | None = None
+        self.verdict = StepVerdict()  # what decides each optimizer step (finetune/step_verdict.py)
+        self._foreign_loss_said = False
         # Under mixed precision the chunked head's GEMMs take the autocast dtype, as the model's own head would (the
         # loss runs outside the forward, where autocast is not active).
         self._head_dtype = (
@@ -131,10 +139,32 @@ class TokenNormTrainer(Trainer):
         self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
         self._matmul_params: int | None = None
 
+    def _fall_back(self, message: str) -> None:
+        """Where exactness is impossible: one warning and `Trainer`'s own behaviour, or with require_exact an error."""
+        if self.require_exact:
+            raise ValueError(message + " (require_exact=True: refused)")
+        logger.warning(message)
+
     @property
     def loss_is_scaled_for_ga(self) -> bool | None:
-        # compute_loss divides by the whole window's label tokens: the Trainer must not divide by accumulation again.
-        return True if self.loss_kind is not None else None
+        # Our compute_loss divided this micro-batch's sum by the whole window's label tokens: the Trainer must not
+        # divide by accumulation again. A loss from elsewhere gets the Trainer's own rule (None).
+        return True if self.loss_kind is not None and self.verdict.micro_batch_loss_ours else None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.verdict.begin_micro_batch()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.verdict.end_micro_batch() and self.loss_kind is not None and not self._foreign_loss_said:
+            self._foreign_loss_said = True
+            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
+            self._fall_back(
+                f"TokenNormTrainer: {owner.__name__}.compute_loss returned a loss that TokenNormTrainer.compute_loss "
+                "did not compute (the window's exact token mean); it is trained by transformers.Trainer's own rule "
+                "for that loss, unchanged (divided by the accumulation steps unless the model takes "
+                "num_items_in_batch), and the empty-window veto is off. Call super().compute_loss(...) or pass "
+                "compute_loss_func= for the exact token mean"
+            )
+        return loss
 
     def _data_parallel_size(self) -> int:
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
@@ -171,8 +201,10 @@ class TokenNormTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if not self.is_deepspeed_enabled:  # whatever built it: an override, the constructor's optimizers=
+            self._gate(self.optimizer)
         if not batch_samples or not all(isinstance(b, Mapping) and "labels" in b for b in batch_samples):
-            self._window_label_tokens = None
+            self.verdict.open_window(None)
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
         # Counted on the host, where the window waits; with several processes one all-reduce per window for every
         # count (label tokens first; tensor-parallel ranks hold replicas) and one read back: the step's one count sync.
@@ -181,13 +213,8 @@ class TokenNormTrainer(Trainer):
             reduced = self.accelerator.reduce(torch.tensor(counts, dtype=torch.int64, device=device), reduction="sum")
             counts = (reduced // self.get_tp_size()).tolist()
         self.meter.add(counts)
-        self._window_label_tokens = counts[0]
-        if self._window_label_tokens == 0:
-            logger.warning(
-                f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on any "
-                "rank; the weights are not updated for this step"
-            )
-        return batch_samples, self._window_label_tokens
+        self.verdict.open_window(counts[0])
+        return batch_samples, counts[0]
 
     # ---- loss: sum from the logits, divided by the window's count ----
 
@@ -203,6 +230,7 @@ class TokenNormTrainer(Trainer):
             loss = token_mean.batch_mean(loss_sum, label_tokens)
         else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/token_mean.py)
             loss = token_mean.window_loss(loss_sum, num_items_in_batch, self._data_parallel_size())
+            self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
 
     def _loss_of_func(self, model, inputs, targets, return_outputs, num_items_in_batch):
@@ -225,6 +253,7 @@ class TokenNormTrainer(Trainer):
             self._add_eval(self.accelerator.gather(token_mean.eval_rows(loss.double() * label_tokens, label_tokens)))
         elif not per_batch:
             loss = loss * self._data_parallel_size()
+            self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
 
     def _summed_loss(self, model, inputs: Mapping, targets: torch.Tensor, keep_logits: bool):
@@ -397,7 +426,7 @@ class TokenNormTrainer(Trainer):
     def updates_weights(self) -> bool:
         """Whether this optimizer step may change the weights: not for a window without any labelled token (its zero
         gradient would still move AdamW's moments and decay the weights). Subclasses add their reasons (and super)."""
-        return token_mean.updates_weights(self._window_label_tokens)
+        return self.verdict.updates_weights()
 
     def _gate_step(self, optimizer, args, kwargs):
         # torch's step pre-hook: parameters without a gradient are left alone by every torch optimizer
@@ -405,15 +434,26 @@ class TokenNormTrainer(Trainer):
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
+            if self.verdict.window_label_tokens == 0:
+                logger.warning(
+                    f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on "
+                    "any rank; the weights and the optimizer state are not updated for this step"
+                )
 
-    def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model)
-        inner = optimizer  # a second train() gets back accelerate's wrapper: the hook belongs on what it wraps
+    def _gate(self, optimizer) -> None:
+        """Hooks the step gate onto the torch optimizer inside `optimizer` (accelerate's wrapper, a subclass's own
+        optimizer, the constructor's optimizers=), once: every optimizer step then consults updates_weights()."""
+        inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
-        if inner is not None and inner is not self._gated_optimizer:
+        if isinstance(inner, torch.optim.Optimizer) and inner is not self._gated_optimizer:
             inner.register_step_pre_hook(self._gate_step)
             self._gated_optimizer = inner
+
+    def create_optimizer(self, model=None):
+        # Under DeepSpeed the engine wraps this optimizer (and steps it inside the last backward): gated here, before.
+        optimizer = super().create_optimizer(model)
+        self._gate(optimizer)
         return optimizer
 
     # ---- logging ----

@@ -47,10 +47,12 @@ _references: dict[str, Path] = {}
 
 
 @pytest.fixture(autouse=True)
-def resumed_runs_thread_count():
+def resumed_runs_thread_count(monkeypatch):
     """Every in-process run here uses the thread count of the subprocess runs (ENV): a reduction split over 2 threads
-    can differ bitwise from 1, and these tests compare runs bit for bit."""
+    can differ bitwise from 1, and these tests compare runs bit for bit. train() sets its threads from
+    OMP_NUM_THREADS (finetune/tools/train.py use_cpu_threads), so that is set as the subprocesses have it."""
     threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", ENV["OMP_NUM_THREADS"])
     torch.set_num_threads(int(ENV["OMP_NUM_THREADS"]))
     yield
     torch.set_num_threads(threads)
