@@ -93,16 +93,7 @@ class TokenNormTrainer(Trainer):
                 "the sequence. Use data parallelism (DDP, FSDP, ZeRO) or tensor parallelism."
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.loss_kind = loss_kind(unwrapped)
-        if self.loss_kind is None:
-            self._fall_back(
-                f"TokenNormTrainer: {type(unwrap_peft_model(unwrapped)).__name__} has loss type "
-                f"{loss_type_of(unwrap_peft_model(unwrapped))!r}, not a loss this trainer computes (causal LM, "
-                "masked LM / token classification, sequence-to-sequence, sequence classification / regression / "
-                "multiple choice); it is trained and evaluated by "
-                "transformers.Trainer's own loss, unchanged. Set model.loss_type = 'ForCausalLM' (or 'ForMaskedLM') "
-                "if its logits are those of a language model."
-            )
+        self.loss_kind = self._decide_loss_kind(unwrap_peft_model(unwrapped))
         forward = inspect.signature(unwrapped.forward).parameters
         labels_param = forward.get("labels")
         # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
@@ -138,6 +129,43 @@ class TokenNormTrainer(Trainer):
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
         self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
         self._matmul_params: int | None = None
+
+    def _decide_loss_kind(self, model) -> str | None:
+        """The loss this trainer computes for `model` and these arguments, or None: then `Trainer`'s own loss (or a
+        base class's, e.g. TRL's `SFTTrainer` with `loss_type="dft"`), unchanged, with one warning."""
+        base = self._base_compute_loss()
+        kind = loss_kind(model)
+        configured = getattr(self.args, "loss_type", None)  # TRL's SFTConfig: the base selects its loss by it
+        if kind is None:
+            self._fall_back(
+                f"TokenNormTrainer: {type(model).__name__} has loss type {loss_type_of(model)!r}, not a loss this "
+                "trainer computes (causal LM, masked LM / token classification, sequence-to-sequence, sequence "
+                "classification / regression / multiple choice); it is trained and evaluated by "
+                "transformers.Trainer's own loss, unchanged. Set model.loss_type = 'ForCausalLM' (or 'ForMaskedLM') "
+                "if its logits are those of a language model."
+            )
+        elif configured not in (None, "nll"):
+            where = f"{base.__name__}.compute_loss" if base else "transformers.Trainer's own loss"
+            self._fall_back(
+                f"TokenNormTrainer: {type(self).__name__}'s arguments select loss_type={configured!r}, a loss this "
+                f"trainer does not compute; it is trained and evaluated by {where} under transformers.Trainer's "
+                "own rules, unchanged"
+            )
+            return None
+        elif base is not None:
+            logger.warning(
+                f"TokenNormTrainer: {type(self).__name__} trains the exact token-mean loss in place of "
+                f"{base.__name__}.compute_loss, which is not called: what that method logs (TRL's entropy, "
+                "mean_token_accuracy, num_tokens) is not logged"
+            )
+        return kind
+
+    def _base_compute_loss(self) -> type | None:
+        """The base class after TokenNormTrainer in the MRO whose compute_loss ours replaces (TRL's SFTTrainer in
+        `class MySFT(TokenNormTrainer, SFTTrainer)`), or None where that is Trainer's own."""
+        mro = type(self).__mro__
+        after = mro[mro.index(TokenNormTrainer) + 1 :]
+        return next((c for c in after if "compute_loss" in vars(c) and c is not Trainer), None)
 
     def _fall_back(self, message: str) -> None:
         """Where exactness is impossible: one warning and `Trainer`'s own behaviour, or with require_exact an error."""
@@ -226,6 +254,9 @@ class TokenNormTrainer(Trainer):
             return self._loss_of_func(model, inputs, targets, return_outputs, num_items_in_batch)
         keep_logits = self._keeps_logits and not return_outputs
         outputs, loss_sum, label_tokens = self._summed_loss(model, inputs, targets, keep_logits)
+        if loss_sum is None:  # its logits do not line up with the collator's labels: Trainer's own loss from now on
+            self._defer_to_trainer(model, outputs, targets)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.evaluating() or num_items_in_batch is None:  # this batch's own token mean (evaluation, a direct call)
             loss = token_mean.batch_mean(loss_sum, label_tokens)
         else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/token_mean.py)
@@ -279,14 +310,23 @@ class TokenNormTrainer(Trainer):
             loss_sum, count = kept_cross_entropy_sum(logits, targets, smoothing)
         elif full:
             loss_sum, count = cross_entropy_sum(logits, targets, smoothing)
-        else:
-            shape = "nothing" if logits is None else f"a tensor of shape {tuple(logits.shape)}"
-            raise ValueError(
-                f"TokenNormTrainer: {type(self.accelerator.unwrap_model(model)).__name__} (loss kind {self.loss_kind}) "
-                f"returned {shape} where logits of shape {tuple(targets.shape)} + (classes,) were expected; train it "
-                "with transformers.Trainer, or return the logits"
-            )
+        else:  # nothing that lines up with the labels (a model that re-aligns them itself): compute_loss defers
+            return outputs, None, None
         return outputs, loss_sum, count
+
+    def _defer_to_trainer(self, model, outputs, targets: torch.Tensor) -> None:
+        """A model whose logits do not line up with the collator's labels (one that splices positions into the
+        sequence and re-aligns the labels inside its forward) is trained and evaluated by Trainer's own loss from here
+        on, as Trainer would train it: one warning (an error with require_exact)."""
+        logits = logits_of(outputs)
+        shape = "no logits" if logits is None else f"logits of shape {tuple(logits.shape)}"
+        self._fall_back(
+            f"TokenNormTrainer: {type(self.accelerator.unwrap_model(model)).__name__} (loss kind {self.loss_kind}) "
+            f"returned {shape} where logits of shape {tuple(targets.shape)} + (classes,) line up with the labels "
+            "the collator made; it is trained and evaluated by transformers.Trainer's own loss from this micro-batch "
+            "on, unchanged (its own forward's loss), not the exact token mean"
+        )
+        self.loss_kind = None  # every hook now takes Trainer's own path
 
     def _summed_rows(self, row_sums: torch.Tensor, row_counts: torch.Tensor, correct: torch.Tensor | None = None):
         """(loss sum, count) of a batch from per-row figures; an evaluation also adds the rows to the whole set's
@@ -409,15 +449,17 @@ class TokenNormTrainer(Trainer):
             totals = dict(zip(token_mean.EVAL_COLUMNS, self._eval_sums.tolist()))
         finally:
             self._eval_sums = None
-        if totals["rows"] == 0 and f"{metric_key_prefix}_loss" in output.metrics:
+        deferred = self.loss_kind is None  # the model turned out to re-align its labels: said once, at the switch
+        if not deferred and totals["rows"] == 0 and f"{metric_key_prefix}_loss" in output.metrics:
             # The loss came from somewhere compute_loss never saw (a subclass's prediction_step that calls the model
             # itself, as Seq2SeqTrainer's generating step does): said, not passed off as exact.
             logger.warning_once(
                 f"TokenNormTrainer: {metric_key_prefix}_loss is {type(self).__name__}'s own per-batch mean, not the "
-                "exact token mean: its prediction_step computed the loss without compute_loss. Use "
-                "finetune.TokenNormSeq2SeqTrainer for Seq2SeqTrainer code, or compute the loss with self.compute_loss."
+                "exact token mean: its loss did not come from TokenNormTrainer.compute_loss (a prediction_step or a "
+                "base class's compute_loss of its own). Use finetune.TokenNormSeq2SeqTrainer for Seq2SeqTrainer "
+                "code, or compute the loss with self.compute_loss."
             )
-        else:  # every rank gathered every row: the same figures everywhere
+        elif not deferred:  # every rank gathered every row: the same figures everywhere
             output.metrics.update(token_mean.eval_metrics(list(totals.values()), metric_key_prefix))
         return output
 

@@ -153,3 +153,53 @@ def test_a_compute_loss_that_calls_super_stays_exact_and_silent(tmp_path, caplog
         )
     assert max(error for error, _ in step_errors(initial, windows, snaps)) < 1e-5
     assert "did not compute" not in caplog.text and trainer.verdict.exact()
+
+
+class SplicingLM(MeanLossLM):
+    """A research VLM's shape: its forward inserts positions (image features) before the text and re-aligns the
+    labels inside, so its logits are longer than the labels the collator made."""
+
+    inserted = 3
+
+    def __init__(self):
+        super().__init__()
+        self.image = torch.nn.Parameter(torch.randn(self.inserted, self.embed.embedding_dim) * 0.1)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        x = torch.cat([self.image.expand(input_ids.shape[0], -1, -1), self.embed(input_ids)], dim=1)
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        logits = self.head(torch.tanh(self.mix(x.cumsum(1) / steps)))
+        out = {"logits": logits}
+        if labels is not None:
+            aligned = torch.cat([torch.full((labels.shape[0], self.inserted), -100), labels], dim=1)
+            out["loss"] = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), aligned[:, 1:].flatten(), ignore_index=-100
+            )
+        return out
+
+
+def test_a_model_that_re_aligns_its_labels_trains_exactly_as_trainer_with_one_warning(tmp_path, caplog):
+    torch.manual_seed(0)
+    initial, rows = SplicingLM(), ragged_rows(12, seed=5)
+    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+        ours, _, ours_snaps = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 2)
+        metrics = ours.evaluate(rows[:5])
+    stock, _, stock_snaps = train_recording(Trainer, copy.deepcopy(initial), rows, tmp_path / "b", 2, 2)
+    assert len(ours_snaps) == len(stock_snaps) == 4
+    for step in range(1, 4):
+        for name in ours_snaps[step]:
+            torch.testing.assert_close(ours_snaps[step][name], stock_snaps[step][name], rtol=1e-6, atol=1e-7)
+    assert stock.evaluate(rows[:5])["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    assert "eval_label_tokens" not in metrics  # nothing passed off as the exact token mean
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([w for w in warnings if "line up with the labels" in w]) == 1, warnings
+    assert not [w for w in warnings if "did not compute" in w or "per-batch mean" in w], warnings
+
+
+def test_require_exact_refuses_a_model_that_re_aligns_its_labels(tmp_path):
+    trainer = TokenNormTrainer(
+        model=SplicingLM(), args=sgd_args(tmp_path, 2, 2), train_dataset=ragged_rows(8, seed=5),
+        data_collator=RecordingCollator(), require_exact=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"logits of shape \(2, \d+, \d+\).*require_exact=True: refused"):
+        trainer.train()
