@@ -203,3 +203,22 @@ def test_require_exact_refuses_a_model_that_re_aligns_its_labels(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"logits of shape \(2, \d+, \d+\).*require_exact=True: refused"):
         trainer.train()
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_on_two_ranks_a_foreign_loss_equals_trainer_and_an_own_optimizer_keeps_the_veto(tmp_path):
+    from tests.launch import torchrun
+
+    runs = {}
+    for base, case in (("ours", "model_loss"), ("trainer", "model_loss"), ("ours", "own_optimizer")):
+        out = str(tmp_path / f"{base}-{case}.pt")
+        torchrun(["tests/workers/subclass_worker.py", out, base, case])
+        runs[base, case] = torch.load(out, weights_only=True)["snapshots"]
+    ours, stock = runs["ours", "model_loss"], runs["trainer", "model_loss"]
+    assert len(ours) == len(stock) == 3  # 12 rows over 2 ranks × 2 × 2: 2 steps
+    for name in ours[-1]:
+        torch.testing.assert_close(ours[-1][name], stock[-1][name], rtol=1e-6, atol=1e-7)
+    assert (ours[-1]["head.weight"] - ours[0]["head.weight"]).abs().max() > 1e-3
+    vetoed = runs["ours", "own_optimizer"]
+    assert all(torch.equal(vetoed[0][n], vetoed[-1][n]) for n in vetoed[0])
