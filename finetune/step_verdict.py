@@ -1,11 +1,14 @@
-"""What decides one optimizer step of `TokenNormTrainer`: the window's label tokens over all data-parallel ranks, and
+"""What decides one optimizer step of `TokenNormTrainer`: the window's label tokens over all data-parallel ranks,
 whether each micro-batch's loss was this project's window share (the exact token mean) or a loss from elsewhere (a
-subclass's own `compute_loss`), from which the step is either exact or exactly `transformers.Trainer`'s.
+subclass's own `compute_loss`), from which the step is either exact or exactly `transformers.Trainer`'s, and whether
+its values were finite (the recipe trainer's verdict on non-finite losses and gradients, agreed by all ranks).
 
 Imports nothing of the package but `token_mean`; the trainer owns one `StepVerdict` and consults it from its hooks.
 """
 
 from __future__ import annotations
+
+import torch
 
 from finetune import token_mean
 
@@ -16,6 +19,8 @@ class StepVerdict:
     - `open_window(count)` at the window's start (`None`: the window could not be counted);
     - `begin_micro_batch()` / `loss_is_ours()` around each micro-batch's loss: whether `compute_loss` divided it by the
       window's count (then nothing divides again), or it came from elsewhere (then `Trainer`'s own rule applies);
+    - `note_loss(loss)` after each backward, `take_window_finite()` once per step: the window's losses finite;
+    - `nonfinite`: the step's verdict on non-finite values, set once all ranks agree (RecipeTrainer);
     - `updates_weights()` before the optimizer step.
     """
 
@@ -23,6 +28,8 @@ class StepVerdict:
         self.window_label_tokens: int | None = None
         self.foreign_losses = 0  # micro-batches of this window whose loss did not come from the window share
         self.micro_batch_loss_ours = False
+        self.window_finite: bool | torch.Tensor = True  # a device tensor while the window runs: no host sync
+        self.nonfinite = False  # this step's verdict: a non-finite loss or gradient, no update
 
     def open_window(self, window_label_tokens: int | None) -> None:
         self.window_label_tokens, self.foreign_losses = window_label_tokens, 0
@@ -39,11 +46,25 @@ class StepVerdict:
         self.foreign_losses += foreign
         return foreign
 
+    def note_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Folds a micro-batch's loss into the window's finite flag (on the device); whether this one is finite."""
+        finite = torch.isfinite(loss).all()
+        self.window_finite = finite & self.window_finite
+        return finite
+
+    def take_window_finite(self) -> bool | torch.Tensor:
+        """The window's finite flag, and a fresh one for the next window."""
+        finite, self.window_finite = self.window_finite, True
+        return finite
+
     def exact(self) -> bool:
         """Whether every micro-batch of the window so far took the exact window share."""
         return self.foreign_losses == 0
 
     def updates_weights(self) -> bool:
-        """Whether the step may change the weights. A window without a labelled token has a zero exact gradient: no
-        update. A loss from elsewhere may have a gradient there (a regulariser, another objective): `Trainer` steps."""
+        """Whether the step may change the weights. Not with a non-finite verdict. A window without a labelled token
+        has a zero exact gradient: no update. A loss from elsewhere may have a gradient there (a regulariser, another
+        objective): `Trainer` steps."""
+        if self.nonfinite:
+            return False
         return not self.exact() or token_mean.updates_weights(self.window_label_tokens)

@@ -71,8 +71,6 @@ class RecipeTrainer(TokenNormTrainer):
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
-        self._window_finite: bool | torch.Tensor = True
-        self._nonfinite_veto = False  # this step's verdict (non-finite loss or gradients): no update
         self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
@@ -169,8 +167,7 @@ class RecipeTrainer(TokenNormTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        finite = torch.isfinite(loss).all()
-        self._window_finite = finite & self._window_finite  # no host sync per micro-batch
+        finite = self.verdict.note_loss(loss)  # no host sync per micro-batch
         # Trainer's NaN filter is off (it reads the loss back after every backward): a non-finite micro-batch adds 0
         # to the logged loss instead, so later steps' logs stay finite; its step is vetoed and counted anyway
         return torch.where(finite, loss, torch.zeros_like(loss))
@@ -190,7 +187,9 @@ class RecipeTrainer(TokenNormTrainer):
         ):  # the window's last micro-batch, before its backward
             loss = result[0] if return_outputs else result
             stop = self.stop_request is not None and self.stop_request.requested
-            flags = torch.tensor([not bool(torch.isfinite(loss).all() & self._window_finite), stop], dtype=torch.int32)
+            flags = torch.tensor(
+                [not bool(torch.isfinite(loss).all() & self.verdict.window_finite), stop], dtype=torch.int32
+            )
             if self.accelerator.num_processes > 1:
                 flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
             bad_loss, stop = (bool(f) for f in flags.tolist())
@@ -203,13 +202,14 @@ class RecipeTrainer(TokenNormTrainer):
         grad_norm = super()._get_grad_norm(model, grad_norm)
         norm = float(grad_norm) if grad_norm is not None else 0.0
         if self.decides_before_backward():  # the loss and stop request were judged before the last backward
-            self._window_finite = True  # the next step's verdict is taken anew before its own backward
-            if not math.isfinite(norm) and not self._nonfinite_veto:  # a finite loss with non-finite gradients: fp16
+            self.verdict.take_window_finite()  # the next step's verdict is taken anew before its own backward
+            if not math.isfinite(norm) and not self.verdict.nonfinite:  # a finite loss with non-finite gradients: fp16
                 self._judge(True, False, False, norm)  # DeepSpeed's loss scaler skipped it; bf16 DeepSpeed applied it
             return grad_norm
         stop = self.stop_request is not None and self.stop_request.requested
-        flags = torch.tensor([not math.isfinite(norm), not bool(self._window_finite), stop], dtype=torch.int32)
-        self._window_finite = True
+        flags = torch.tensor(
+            [not math.isfinite(norm), not bool(self.verdict.take_window_finite()), stop], dtype=torch.int32
+        )
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
         bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
@@ -220,7 +220,9 @@ class RecipeTrainer(TokenNormTrainer):
         """This step's verdict from flags all ranks agree on: veto the update, count a skip, or stop."""
         if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
             self.control.should_save = self.control.should_training_stop = True
-        self._nonfinite_veto, skipped, halt = nonfinite_verdict(bad_grads, bad_loss, self.args.fp16, self.on_nonfinite)
+        self.verdict.nonfinite, skipped, halt = nonfinite_verdict(
+            bad_grads, bad_loss, self.args.fp16, self.on_nonfinite
+        )
         if skipped:
             what = " and ".join(w for w, bad in (("the loss", bad_loss), ("the gradient norm", bad_grads)) if bad)
             what += f" {'are' if bad_loss and bad_grads else 'is'} not finite (grad_norm={norm})"
@@ -232,9 +234,6 @@ class RecipeTrainer(TokenNormTrainer):
                 )
             self.nonfinite_skipped += 1
             logger.warning(f"optimizer step {step}: {what}; no update ({self.nonfinite_skipped} skipped so far)")
-
-    def updates_weights(self) -> bool:
-        return super().updates_weights() and not self._nonfinite_veto
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:
