@@ -65,3 +65,21 @@ def test_accelerate_launch_uses_every_core_unless_the_user_chose(tmp_path, user_
         plural = "s" if cores > 1 else ""
         expected = rf"^cpu: {cores} thread{plural} \({cores} physical cores; OMP_NUM_THREADS=N chooses\)$"
         assert len(lines) == 1 and re.match(expected, lines[0]), result.stdout
+
+
+def test_an_in_process_run_takes_the_thread_choice_as_a_launched_run_does(monkeypatch, capsys):
+    """train() in this process sets torch's threads from OMP_NUM_THREADS as a launched run does (tests that compare
+    in-process runs with launched ones bit for bit set it alike: tests/test_resume.py)."""
+    import torch
+
+    from finetune.tools.train import use_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        for chosen in ("1", "2"):
+            monkeypatch.setenv("OMP_NUM_THREADS", chosen)
+            use_cpu_threads()
+            assert torch.get_num_threads() == int(chosen)
+            assert f"(OMP_NUM_THREADS={chosen})" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)

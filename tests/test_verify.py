@@ -22,6 +22,11 @@ def errors_in(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"^  relative error (\S+)", output, flags=re.M)]
 
 
+def floors_in(output: str) -> list[float]:
+    """Per step, the distance of the brute force in the run's own arithmetic from the float64 reference."""
+    return [float(x) for x in re.findall(r"the brute force in the run's arithmetic (\S+), ", output)]
+
+
 def weights_in(output: str) -> list[list[float]]:
     """Per step, the micro-batch weights verify fitted (1 when every target token counts once)."""
     lines = re.findall(r"^  micro-batch weights \(.*?\): ([\d. ]+?)  \(", output, flags=re.M)
@@ -55,6 +60,9 @@ def test_bf16_passes_within_its_documented_tolerance(capsys):
     # bf16 rounding is visible (far above fp32's 1e-7) yet within bf16's tolerance; the weights stay near 1
     assert 1e-4 < errors_in(out)[0] <= verify.TOLERANCES["bf16"]
     assert all(abs(w - 1) <= verify.WEIGHT_TOLERANCES["bf16"] for w in weights_in(out)[0])
+    # the floor is the autocast brute force's own distance from float64: bf16-sized, and ours is as close as it
+    (floor,) = floors_in(out)
+    assert 1e-4 < floor < 2e-2 and errors_in(out)[0] <= 2 * floor
 
 
 @pytest.mark.e2e
@@ -93,7 +101,7 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     code = verify.main([DEBUG, "train.max_grad_norm=0"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert errors_in(out)[0] > 1e-2
+    assert errors_in(out)[0] > 1e-2 and errors_in(out)[0] > 1000 * floors_in(out)[0]  # far above the floor too
     assert "verify: FAIL" in out and "above tolerance" in out
     # each micro-batch's tokens weighted by window tokens / (accumulation × its own tokens), not by 1
     (weights,) = weights_in(out)
@@ -111,6 +119,21 @@ def test_recipe_errors_are_the_same_as_training(args):
     verified = run([sys.executable, "-m", "finetune.verify", *args])
     assert trained.returncode == verified.returncode == 2
     assert verified.stderr.startswith("error: ") and verified.stderr == trained.stderr
+
+
+def test_a_step_is_judged_against_its_floor_unless_a_tolerance_is_given():
+    """fp32: 3e-5 passes where the run's own arithmetic is 5e-6 off float64 (a real model's LoRA step), fails where it
+    is 1e-6 off; the fixed tolerance stays the least; verify.tolerance replaces both."""
+
+    def step(error, floor):
+        return verify.StepCheck(1, 8, 100, error, {"model": (error, 1.0)}, weights=[1.0, 1.0], floor=floor)
+
+    fixed = verify.TOLERANCES["fp32"]
+    assert verify.report([step(3e-5, 5e-6)], fixed, None, "fp32", 1)[1] is True
+    text, passed = verify.report([step(3e-5, 1e-6)], fixed, None, "fp32", 1)
+    assert passed is False and "above tolerance" in text and "(tolerance 1.00e-05)" in text
+    assert verify.report([step(9e-6, 0.0)], fixed, None, "fp32", 1)[1] is True
+    assert verify.report([step(3e-5, 5e-6)], fixed, 2e-5, "fp32", 1)[1] is False
 
 
 def test_verify_arguments_and_tolerances():
