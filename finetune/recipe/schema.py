@@ -1,6 +1,7 @@
-"""The recipe schema: a tree of dataclasses (defaults and comments say what each key means), the one place where
-each key's choices are written (`one_of`; `CHOICES` and `choice_error` derive from it), and the error every recipe
-mistake becomes. `finetune/recipe/loading.py` loads recipes onto it; `finetune/recipe/checks.py` checks them."""
+"""The recipe schema: a tree of dataclasses, the one place where each key's default, one-line description (`help=`,
+printed by `--help`: finetune/recipe/usage.py) and choices are written (`one_of`; `CHOICES` and `choice_error` derive
+from it), and the error every recipe mistake becomes. `finetune/recipe/loading.py` loads recipes onto it;
+`finetune/recipe/checks.py` checks them."""
 
 from __future__ import annotations
 
