@@ -50,12 +50,7 @@ def build(
     accumulation = accumulation_steps(cfg, ranks)
     reporting.configure_wandb(cfg)
 
-    # tokenizer (a GGUF is converted once into a plain folder in the cache); image+text: a processor
-    folder = loading.model_folder(cfg.model)
-    vision = vlm.is_vlm(cfg, folder)
-    check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
-    tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
-    use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
+    folder, vision, tokenizer = load_tokenizer(cfg)
 
     # data, the eval set and batching, before the model: a bad row fails in seconds
     batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate)
@@ -101,6 +96,17 @@ def check_machine(cfg: Config) -> None:
         raise RecipeError(problem)
     if warning := precision_warning(cfg):
         reporting.main_print(f"warning: {warning}")
+
+
+def load_tokenizer(cfg: Config):
+    """(the model's folder, whether it takes images, its tokenizer or processor): a GGUF is converted once into a
+    plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
+    folder = loading.model_folder(cfg.model)
+    vision = vlm.is_vlm(cfg, folder)
+    check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
+    tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
+    use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
+    return folder, vision, tokenizer
 
 
 def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool):

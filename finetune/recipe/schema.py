@@ -1,6 +1,7 @@
-"""The recipe schema: a tree of dataclasses (defaults and comments say what each key means), the one place where
-each key's choices are written (`one_of`; `CHOICES` and `choice_error` derive from it), and the error every recipe
-mistake becomes. `finetune/recipe/loading.py` loads recipes onto it; `finetune/recipe/checks.py` checks them."""
+"""The recipe schema: a tree of dataclasses, the one place where each key's default, one-line description (`help=`,
+printed by `--help`: finetune/recipe/usage.py) and choices are written (`one_of`; `CHOICES` and `choice_error` derive
+from it), and the error every recipe mistake becomes. `finetune/recipe/loading.py` loads recipes onto it;
+`finetune/recipe/checks.py` checks them."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text.strip() else type(error).__name__
 
 
-def one_of(*choices: str, default: str | None = None) -> Any:
-    """A key whose value is one of `choices` (default: the first)."""
-    return field(default=choices[0] if default is None else default, metadata={"choices": choices})
+def one_of(*choices: str, default: str | None = None, help: str = "") -> Any:
+    """A key whose value is one of `choices` (default: the first); `help`: its one-line description."""
+    return field(default=choices[0] if default is None else default, metadata={"choices": choices, "help": help})
 
 
 def number(
@@ -37,10 +38,11 @@ def number(
     max_exclusive: bool = False,
     count: int | None = None,
     hint: str = "",
+    help: str = "",
 ) -> Any:
     """A numeric key (or a list or map of numbers, each checked): finite, within [min, max] (or the open ends).
     `checks.check_numbers` checks every such key and words its message from these bounds; `count`: a list's length,
-    `hint`: what the bound means, added to the message."""
+    `hint`: what the bound means, added to the message; `help`: the key's one-line description."""
     bounds = {
         "min": min,
         "max": max,
@@ -49,174 +51,278 @@ def number(
         "count": count,
         "hint": hint,
     }
+    metadata = {"number": bounds, "help": help}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"number": bounds})
-    return field(default=default, metadata={"number": bounds})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def setting(default: Any = None, *, help: str) -> Any:
+    """Any other key, with its one-line description (`--help` prints it); a list or map default is copied per config."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type) -> Any:
+    """A nested section (its description: the class docstring's first line)."""
+    return field(default_factory=cls)
 
 
 @dataclass
 class LoraConfig:
-    enabled: bool = False
-    r: int = number(8, min=1)
-    alpha: int = number(16, min=0, min_exclusive=True)
-    dropout: float = number(0.0, min=0, max=1, max_exclusive=True)
-    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])  # names, or all-linear
-    merge: bool = False  # the final save (and best/) is the merged full model; the adapter beside it in adapter/
+    """LoRA adapters instead of full fine-tuning (peft)."""
+
+    enabled: bool = setting(False, help="train LoRA adapters; the base weights stay frozen")
+    r: int = number(8, min=1, help="rank of each adapter")
+    alpha: int = number(16, min=0, min_exclusive=True, help="scaling numerator: adapters are scaled by alpha / r")
+    dropout: float = number(0.0, min=0, max=1, max_exclusive=True, help="dropout on the adapters' input")
+    target_modules: list[str] | str = setting(
+        ["q_proj", "v_proj"], help="module names that get adapters, or all-linear"
+    )
+    merge: bool = setting(
+        False, help="the final save (and best/) is the merged full model; the adapter beside it in adapter/"
+    )
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = MISSING  # hub id, local folder, or `pkg:PACKAGE` for a model shipped inside a Python package
-    gguf_file: str | None = None  # a GGUF inside name_or_path; converted once to a plain folder in the cache
-    dtype: str = one_of("float32", "bfloat16", "float16")  # the dtype the weights are loaded in
-    from_config: bool = False  # random init from name_or_path's config (with config_overrides): tiny test models
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    freeze: list[str] = field(default_factory=list)  # module-name prefixes whose parameters do not train
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The model and its tokenizer: where they come from and how they load."""
+
+    name_or_path: str = setting(
+        MISSING, help="hub id, local folder, or pkg:PACKAGE for a model shipped inside a Python package"
+    )
+    gguf_file: str | None = setting(
+        None, help="a GGUF inside name_or_path; converted once to a plain folder in the cache"
+    )
+    dtype: str = one_of("float32", "bfloat16", "float16", help="the dtype the weights are loaded in")
+    from_config: bool = setting(
+        False, help="random init from name_or_path's config (with config_overrides): tiny test models"
+    )
+    config_overrides: dict[str, Any] = setting(
+        {}, help="model config fields changed before a from_config init ({hidden_size: 64, …})"
+    )
+    attn_implementation: str = setting("sdpa", help="transformers' attn_implementation: sdpa, eager, flash_attention_2")
+    trust_remote_code: bool = setting(False, help="let transformers run the model repository's own code")
+    freeze: list[str] = setting([], help="module-name prefixes whose parameters do not train")
+    lora: LoraConfig = section(LoraConfig)
     # Set (SiglipVisionConfig fields) to assemble a LLaVA: this language model + a vision tower built from this config
     # (random init, cached once). Empty: a VLM name_or_path (hub id or folder) is used as it is.
-    vision_config: dict[str, Any] = field(default_factory=dict)
+    vision_config: dict[str, Any] = setting(
+        {}, help="SiglipVisionConfig fields: assemble a LLaVA from this language model and a new vision tower"
+    )
 
 
 @dataclass
 class MixtureSource:
     """One source of data.mixture, read with the data.* keys except those it sets itself."""
 
-    source: str = MISSING  # as data.source
-    weight: float = 1.0  # its share of the training rows: weight / the sum of the weights
-    name: str | None = None  # in the data line and eval_<name>_loss; default: the file's stem (or the source)
-    format: str | None = None  # default: data.format
-    loss_on: str | None = None  # default: data.loss_on
-    split: str | None = None  # a hub dataset's split; default: data.split
+    source: str = setting(MISSING, help="as data.source")
+    weight: float = setting(1.0, help="its share of the training rows: weight / the sum of the weights")
+    name: str | None = setting(
+        None, help="in the data line and eval_<name>_loss; default: the file's stem (or the source)"
+    )
+    format: str | None = setting(None, help="default: data.format")
+    loss_on: str | None = setting(None, help="default: data.loss_on")
+    split: str | None = setting(None, help="a hub dataset's split; default: data.split")
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib_docs"  # stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id
-    split: str = "train"
-    format: str = one_of("auto", "messages", "prompt_completion", "text")
-    max_length: int = number(1024, min=1)
-    truncation: str = one_of("right", "drop", "error")
-    loss_on: str = one_of("assistant", "completion", "all")
-    on_bad_row: str = one_of("error", "skip")
-    limit: int | None = number(None, min=1)  # keep the first N rows (quick runs)
-    batching: str = one_of(*MODES)  # finetune/recipe/batch_modes.py says what each does
-    max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget only
-    num_workers: int = number(0, min=0)
-    streaming: bool = False  # read, tokenize and label rows as training goes (data larger than memory)
-    chat_template: str | None = None  # chatml (built in) or a Jinja file: replaces the tokenizer's chat template
+    """The training rows: where they come from, how they are tokenized, labeled and batched."""
+
+    source: str = setting(
+        "stdlib_docs", help="stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id"
+    )
+    split: str = setting("train", help="the split of a hub dataset")
+    format: str = one_of(
+        "auto", "messages", "prompt_completion", "text", help="the rows' columns; auto: detected from the rows"
+    )
+    max_length: int = number(1024, min=1, help="tokens per row at most (see data.truncation)")
+    truncation: str = one_of(
+        "right", "drop", "error", help="a row over data.max_length: cut at the end, dropped (counted), or an error"
+    )
+    loss_on: str = one_of(
+        "assistant", "completion", "all", help="tokens trained on: every assistant turn, the last one, or all tokens"
+    )
+    on_bad_row: str = one_of("error", "skip", help="a malformed row: an error naming it, or skipped and counted")
+    limit: int | None = number(None, min=1, help="keep the first N rows (quick runs)")
+    batching: str = one_of(*MODES, help="how rows become micro-batches (finetune/recipe/batch_modes.py)")
+    max_tokens_per_micro_batch: int | None = number(
+        None, min=1, help="token budget per micro-batch: token_budget, or packed by tokens"
+    )
+    num_workers: int = number(0, min=0, help="DataLoader worker processes")
+    streaming: bool = setting(False, help="read, tokenize and label rows as training goes (data larger than memory)")
+    chat_template: str | None = setting(
+        None, help="chatml (built in) or a Jinja file: replaces the tokenizer's chat template"
+    )
     # several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, name, format, …}]
-    mixture: list[MixtureSource] = field(default_factory=list)
+    mixture: list[MixtureSource] = setting(
+        [], help="several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, …}]"
+    )
 
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "outputs/run"
+    """The run: batch sizes, length, precision, saving and resuming."""
+
+    output_dir: str = setting("outputs/run", help="checkpoints, logs and the final model")
     # sequences per micro-batch per rank, or auto: the largest that fits this machine with the global batch kept
     # (`python -m finetune.plan` shows the choice; training plans it at start)
-    micro_batch_size: int | str = number(8, min=1)
-    global_batch_size: int = number(8, min=1)  # sequences per optimizer step over all ranks
-    # computed tokens per optimizer step, for token-budgeted batching
-    global_batch_tokens: int | None = number(None, min=1)
-    max_steps: int = number(-1, min=-1, hint="-1: train for train.epochs")
-    epochs: float = number(1.0, min=0)
-    precision: str = one_of("fp32", "bf16", "fp16")
-    max_grad_norm: float = number(1.0, min=0, hint="0 turns clipping off")
-    seed: int = number(42, min=0, max=2**32 - 1)  # NumPy's seed range
-    save_steps: int = number(0, min=0, hint="0: save only at the end")
-    save_total_limit: int | None = number(None, min=1)  # checkpoints kept (None: all)
-    resume_from: str | None = None  # auto (the newest complete checkpoint in output_dir, else start) | PATH
-    # a resume whose data order would differ (other data, seed, ranks or batch sizes): an error, or allowed
-    resume_data_order_change: str = one_of("error", "allow")
-    # NaN/inf loss or gradients: skip the update (counted as nonfinite_skipped), or stop the run
-    on_nonfinite: str = one_of("skip", "stop")
-    gradient_checkpointing: bool = False
-    profile_steps: list[int] = number([], min=1)  # [first, last] optimizer steps under torch.profiler
-    sync_each_batch: bool = False  # reduce gradients after every micro-batch: less memory under FSDP, more traffic
+    micro_batch_size: int | str = number(
+        8, min=1, help="sequences per micro-batch per rank, or auto: the largest that fits (finetune-plan shows it)"
+    )
+    global_batch_size: int = number(
+        8, min=1, help="sequences per optimizer step over all ranks; accumulation is derived from it"
+    )
+    global_batch_tokens: int | None = number(
+        None, min=1, help="computed tokens per optimizer step, for token-budgeted batching"
+    )
+    max_steps: int = number(-1, min=-1, hint="-1: train for train.epochs", help="optimizer steps; -1: train.epochs")
+    epochs: float = number(1.0, min=0, help="passes over the data (when train.max_steps is -1)")
+    precision: str = one_of("fp32", "bf16", "fp16", help="mixed precision of forward and backward (autocast)")
+    max_grad_norm: float = number(1.0, min=0, hint="0 turns clipping off", help="gradient clipping norm; 0: off")
+    seed: int = number(42, min=0, max=2**32 - 1, help="seeds init, data order, held-out rows")  # NumPy's seed range
+    save_steps: int = number(
+        0, min=0, hint="0: save only at the end", help="optimizer steps between checkpoints; 0: only at the end"
+    )
+    save_total_limit: int | None = number(None, min=1, help="checkpoints kept (None: all)")
+    resume_from: str | None = setting(
+        None, help="auto (the newest complete checkpoint in output_dir, else start) | PATH"
+    )
+    resume_data_order_change: str = one_of(
+        "error", "allow", help="a resume whose data order would differ (data, seed, ranks, batch): error or allow"
+    )
+    on_nonfinite: str = one_of(
+        "skip", "stop", help="NaN/inf loss or gradients: skip the update (counted) or stop the run (exit 3)"
+    )
+    gradient_checkpointing: bool = setting(False, help="recompute activations in backward: less memory, slower")
+    profile_steps: list[int] = number([], min=1, help="[first, last] optimizer steps under torch.profiler")
+    sync_each_batch: bool = setting(
+        False, help="reduce gradients after every micro-batch: less memory under FSDP, more traffic"
+    )
 
 
 @dataclass
 class OptimConfig:
-    name: str = one_of("adamw", "sgd", "lamb", "lars")
-    lr: float = number(1e-4, min=0, min_exclusive=True)
-    weight_decay: float = number(0.0, min=0)
-    betas: list[float] = number([0.9, 0.999], min=0, max=1, max_exclusive=True, count=2)
-    eps: float = number(1e-8, min=0)
-    momentum: float = number(0.9, min=0, max=1, max_exclusive=True)  # sgd, lars
-    trust_coefficient: float = number(0.001, min=0, min_exclusive=True)  # lars
-    lr_scaling: str = one_of("none", "linear", "sqrt")
-    # the batch optim.lr was tuned for (with lr_scaling)
-    base_batch_size: int | None = number(None, min=0, min_exclusive=True)
-    # module-name prefix -> lr factor
-    lr_multipliers: dict[str, float] = number({}, min=0, min_exclusive=True, hint="model.freeze keeps modules fixed")
+    """The optimizer and its learning rate."""
+
+    name: str = one_of("adamw", "sgd", "lamb", "lars", help="the optimizer")
+    lr: float = number(1e-4, min=0, min_exclusive=True, help="peak learning rate (before optim.lr_scaling)")
+    weight_decay: float = number(0.0, min=0, help="weight decay (none on biases, norms, embeddings)")
+    betas: list[float] = number([0.9, 0.999], min=0, max=1, max_exclusive=True, count=2, help="Adam betas: adamw, lamb")
+    eps: float = number(1e-8, min=0, help="added to the denominator: adamw, lamb")
+    momentum: float = number(0.9, min=0, max=1, max_exclusive=True, help="momentum: sgd, lars")
+    trust_coefficient: float = number(0.001, min=0, min_exclusive=True, help="lars' trust coefficient")
+    lr_scaling: str = one_of(
+        "none", "linear", "sqrt", help="scale optim.lr from optim.base_batch_size to the global batch"
+    )
+    base_batch_size: int | None = number(
+        None, min=0, min_exclusive=True, help="the global batch optim.lr was tuned for (with lr_scaling)"
+    )
+    lr_multipliers: dict[str, float] = number(
+        {}, min=0, min_exclusive=True, hint="model.freeze keeps modules fixed", help="module-name prefix -> lr factor"
+    )
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = one_of("onecycle", "warmup_cosine", "linear", "constant", default="constant")
-    warmup_steps: int = number(0, min=0)
-    warmup_ratio: float = number(0.0, min=0, max=1, max_exclusive=True)
-    warmup: str = one_of("linear", "quadratic", "constant")
-    warmup_factor: float = number(0.1, min=0, max=1, min_exclusive=True)  # the lr factor held during a constant warmup
-    min_lr_ratio: float = number(0.0, min=0, max=1)  # warmup_cosine floor, as a fraction of the peak lr
-    pct_start: float = number(0.1, min=0, max=1, min_exclusive=True, max_exclusive=True)  # onecycle
-    div_factor: float = number(25.0, min=0, min_exclusive=True)  # onecycle: initial lr = peak / div_factor
-    final_div_factor: float = number(1e4, min=0, min_exclusive=True)  # onecycle: final lr = initial / final_div_factor
-    anneal: str = one_of("cos", "linear")  # onecycle
+    """The learning-rate schedule over the run's optimizer steps."""
+
+    name: str = one_of(
+        "onecycle", "warmup_cosine", "linear", "constant", default="constant", help="the schedule after warmup"
+    )
+    warmup_steps: int = number(0, min=0, help="warmup length in optimizer steps (or warmup_ratio, not both)")
+    warmup_ratio: float = number(0.0, min=0, max=1, max_exclusive=True, help="warmup as a share of the run's steps")
+    warmup: str = one_of("linear", "quadratic", "constant", help="the warmup's shape")
+    warmup_factor: float = number(
+        0.1, min=0, max=1, min_exclusive=True, help="the lr factor held during a constant warmup"
+    )
+    min_lr_ratio: float = number(0.0, min=0, max=1, help="linear/warmup_cosine floor, as a fraction of the peak lr")
+    pct_start: float = number(
+        0.1, min=0, max=1, min_exclusive=True, max_exclusive=True, help="onecycle: share of steps rising"
+    )
+    div_factor: float = number(25.0, min=0, min_exclusive=True, help="onecycle: initial lr = peak / div_factor")
+    final_div_factor: float = number(
+        1e4, min=0, min_exclusive=True, help="onecycle: final lr = initial / final_div_factor"
+    )
+    anneal: str = one_of("cos", "linear", help="onecycle: the annealing shape")
 
 
 @dataclass
 class LogConfig:
+    """Logging: W&B and the console."""
+
     # auto: online when a W&B API key is found (WANDB_API_KEY or ~/.netrc) and the service answers within 3 s, else
     # offline (runs land in train.output_dir/wandb; `wandb sync` uploads them later); online: an error without either
-    wandb_mode: str = one_of("auto", "offline", "online", "disabled")
-    wandb_project: str = "finetune"
-    run_name: str | None = None
-    every_steps: int = number(1, min=1)
-    # the device's peak TFLOP/s for MFU; default: a table of common GPUs
-    peak_tflops: float | None = number(None, min=0, min_exclusive=True)
+    wandb_mode: str = one_of(
+        "auto",
+        "offline",
+        "online",
+        "disabled",
+        help="auto: online with an API key and a reachable service, else offline",
+    )
+    wandb_project: str = setting("finetune", help="the W&B project")
+    run_name: str | None = setting(None, help="the run's name; default: RECIPE-gbGLOBAL_BATCH-lrLR")
+    every_steps: int = number(1, min=1, help="optimizer steps between log lines")
+    peak_tflops: float | None = number(
+        None, min=0, min_exclusive=True, help="the device's peak TFLOP/s for MFU; default: a table of common GPUs"
+    )
 
 
 @dataclass
 class EvalConfig:
+    """Evaluation: the eval set, how often, samples, best checkpoint and early stopping."""
+
     # The eval set. Empty: rows held out of data.source (eval.fraction; stdlib_docs holds out whole modules), else a
     # stdlib_docs | shapes_captions | jsonl/json/parquet/csv file or folder | hub id, read with the data.* keys
-    source: str | None = None
-    split: str = "validation"  # the split of a hub dataset eval.source (and of eval.sets)
-    # named eval sets {name: source}, each logged as eval_<name>_loss; eval_loss is the mean over all their tokens.
+    source: str | None = setting(
+        None, help="the eval set (read with the data.* keys); empty: rows held out of data.source (eval.fraction)"
+    )
+    split: str = setting("validation", help="the split of a hub dataset eval.source (and of eval.sets)")
     # With data.mixture, eval.fraction holds out of each source, named as the mixture names it
-    sets: dict[str, str] = field(default_factory=dict)
-    # what the best model and early stopping follow: eval_loss, eval_token_accuracy, eval_<name>_loss, …
-    metric: str = "eval_loss"
-    # share of data.source held out (seeded by train.seed), never trained on; 0: no held-out rows
-    fraction: float = number(0.0, min=0, max=1, max_exclusive=True, hint="the share of data.source held out")
-    # evaluate on N rows: the first N of eval.source, or N held-out rows in a seeded order
-    limit: int | None = number(None, min=1)
-    # optimizer steps between evaluations; 0: only before the first step and at the end
-    every_steps: int = number(0, min=0)
-    batching: str = one_of(*MODES, default="packed")  # as data.batching
-    micro_batch_size: int = number(8, min=1)  # rows per eval micro-batch (per rank)
-    max_tokens_per_micro_batch: int | None = number(None, min=1)  # token_budget, or packed by tokens
-    # held-out prompts generated from (greedy) at each evaluation: console and a W&B table
-    samples: int = number(2, min=0)
-    prompts: list[str] = field(default_factory=list)  # your own prompts, generated from beside them
-    max_new_tokens: int = number(48, min=1)
-    best_checkpoint: bool = False  # keep the model of the lowest eval loss in train.output_dir/best
-    early_stopping_patience: int = number(0, min=0)  # stop after N evaluations without a lower eval loss; 0: never
+    sets: dict[str, str] = setting({}, help="named eval sets {name: source}, each logged as eval_<name>_loss")
+    metric: str = setting(
+        "eval_loss", help="what the best model and early stopping follow: eval_loss, eval_<name>_loss, …"
+    )
+    fraction: float = number(
+        0.0,
+        min=0,
+        max=1,
+        max_exclusive=True,
+        hint="the share of data.source held out",
+        help="share of data.source held out (seeded by train.seed), never trained on; 0: none",
+    )
+    limit: int | None = number(
+        None, min=1, help="evaluate on N rows: the first N of eval.source, or N held-out rows (seeded)"
+    )
+    every_steps: int = number(
+        0, min=0, help="optimizer steps between evaluations; 0: only before the first step and at the end"
+    )
+    batching: str = one_of(*MODES, default="packed", help="as data.batching, for the eval set")
+    micro_batch_size: int = number(8, min=1, help="rows per eval micro-batch (per rank)")
+    max_tokens_per_micro_batch: int | None = number(None, min=1, help="token_budget, or packed by tokens")
+    samples: int = number(
+        2, min=0, help="held-out prompts generated from (greedy) at each evaluation: console and W&B table"
+    )
+    prompts: list[str] = setting([], help="your own prompts, generated from beside them")
+    max_new_tokens: int = number(48, min=1, help="tokens generated per sample")
+    best_checkpoint: bool = setting(False, help="keep the model of the lowest eval loss in train.output_dir/best")
+    early_stopping_patience: int = number(0, min=0, help="stop after N evaluations without a lower eval loss; 0: never")
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    recipe: str | None = None  # the YAML file this config came from
+    """A recipe."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    train: TrainConfig = section(TrainConfig)
+    optim: OptimConfig = section(OptimConfig)
+    schedule: ScheduleConfig = section(ScheduleConfig)
+    log: LogConfig = section(LogConfig)
+    eval: EvalConfig = section(EvalConfig)
+    recipe: str | None = setting(None, help="the YAML file this config came from (set by recipe=)")
 
 
 OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers", "eval.sets")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from finetune import env
 from finetune.recipe import Config, RecipeError, check_config, is_budgeted, load_config, split_tool_args
+from finetune.recipe.usage import Command, ToolKey, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.tools.memory_trials import Trials, available_bytes, fit_line
 
@@ -40,6 +41,17 @@ HEADROOM = 0.10
 GIB = 2**30
 CPU_TRIAL_TOKENS = 8192  # CPU trials stay this small: a real model's step on many thousand tokens is slow on a CPU
 SAFE_TRIAL = 0.8  # a CPU trial runs only where the prediction so far is this far below the limit
+COMMAND = Command(
+    "finetune-plan",
+    "The largest micro-batch that fits this machine with the global batch kept, by real training steps.",
+    also=("python -m finetune.plan …",),
+    tool="plan",
+    keys=(
+        ToolKey("headroom", float, f"{HEADROOM:g}", "share of the memory limit kept free, in [0, 1)"),
+        ToolKey("memory_gib", float, "the GPU's memory, or RSS + available RAM", "the memory to plan for, in GiB"),
+        ToolKey("ranks", int, "the launch's ranks", "ranks the global batch is split over"),
+    ),
+)
 
 
 @dataclass
@@ -80,7 +92,7 @@ class Plan:
 
 def split_args(argv: list[str]) -> tuple[list[str], dict]:
     """(recipe arguments, plan options): plan.* keys are this tool's, not the recipe's."""
-    rest, given = split_tool_args(argv, "plan", {"headroom": float, "memory_gib": float, "ranks": int})
+    rest, given = split_tool_args(argv, "plan", {key.name: key.parse for key in COMMAND.keys})
     options = {"headroom": HEADROOM, "memory_gib": None, "ranks": None, **given}
     if not 0 <= options["headroom"] < 1 or (options["ranks"] or 1) < 1 or (options["memory_gib"] or 1) <= 0:
         raise RecipeError("plan.headroom must be in [0, 1), plan.ranks ≥ 1 and plan.memory_gib positive")
@@ -290,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        if (text := help_asked(argv, COMMAND)) is not None:
+            print_page(text)
+            return 0
         rest, options = split_args(argv)
         cfg = load_config(rest)
         ranks = options["ranks"] or env.world_size()

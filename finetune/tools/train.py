@@ -15,16 +15,32 @@ import sys
 
 from finetune.env import cpu_threads
 from finetune.recipe import Config, load_config
+from finetune.recipe.usage import Command, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.training import distributed
+
+DRY_RUN = "--dry-run"
+COMMAND = Command(
+    "finetune-train",
+    "Train a recipe: the recipe file, then each key=value override, onto the schema; checked before torch loads.",
+    also=("python finetune/train.py …", "accelerate launch finetune/train.py …"),
+    flags=((DRY_RUN, "print the resolved recipe (YAML) and the plan (batch, steps, warmup, precision); no training"),),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
-        cfg = load_config(argv)
+        if (text := help_asked(argv, COMMAND)) is not None:
+            print_page(text)
+            return 0
+        cfg = load_config([arg for arg in argv if arg != DRY_RUN])
         distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before torch loads
+        if DRY_RUN in argv:  # the recipe and what it implies, without loading the model
+            from finetune.tools.dry_run import dry_run
+
+            return dry_run(cfg)
         return train(cfg, argv=argv)
 
     # one `error:` line for what the user can fix (exit 2; 3: stopped on a non-finite value), a traceback for a bug

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from finetune.env import is_main_process, world_size
 from finetune.recipe import Config, RecipeError, is_budgeted, load_config, split_tool_args
+from finetune.recipe.usage import Command, ToolKey, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.tools.reference_check import (
     WindowRecorder,
@@ -60,6 +61,21 @@ FLOOR_FACTOR = 10.0
 # Largest |w - 1| of the micro-batch weights (`micro_batch_weights`): rounding barely moves them, normalization bugs do
 WEIGHT_TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+COMMAND = Command(
+    "finetune-verify",
+    "Check on your recipe that training applies the exact token-mean gradient (float64 reference); exit 1 if not.",
+    also=("python -m finetune.verify …", "accelerate launch -m finetune.verify …"),
+    tool="verify",
+    keys=(
+        ToolKey("steps", int, "1", "optimizer steps trained and checked"),
+        ToolKey(
+            "tolerance",
+            float,
+            "by precision: " + ", ".join(f"{p} {t:g}" for p, t in TOLERANCES.items()),
+            "largest relative error that passes",
+        ),
+    ),
+)
 
 
 @dataclass
@@ -79,7 +95,7 @@ class StepCheck:
 
 def split_args(argv: list[str]) -> tuple[list[str], int, float | None]:
     """(recipe arguments, verify.steps, verify.tolerance): the verify.* keys are this tool's, not the recipe's."""
-    rest, given = split_tool_args(argv, "verify", {"steps": int, "tolerance": float})
+    rest, given = split_tool_args(argv, "verify", {key.name: key.parse for key in COMMAND.keys})
     for name, number in given.items():
         if not 0 < number < math.inf:  # NaN too
             raise RecipeError(f"verify.{name}={number} must be positive")
@@ -245,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        if (text := help_asked(argv, COMMAND)) is not None:
+            print_page(text)
+            return 0
         rest, steps, tolerance = split_args(argv)
         cfg = load_config(rest)
         default_tolerance, precision = tolerance_for(cfg)

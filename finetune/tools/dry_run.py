@@ -1,0 +1,82 @@
+"""`finetune-train --dry-run recipe=… [key=value …]`: the resolved recipe and its plan, without training.
+
+Prints the recipe as YAML (after the recipe file and the overrides; every key, defaults included), then the plan as
+`#` comments, so the whole output is itself a recipe (`> run.yaml`, then `recipe=run.yaml`). The plan is what
+`finetune.assemble.build` derives, by the same functions: the effective batch (micro-batch × accumulation × ranks)
+and learning rate (`schedules.startup_line`), the optimizer steps (`batching.count_optimizer_steps`), the warmup
+(`schedules.warmup_steps`), the schedule and the precision. No model weights are loaded and nothing is written.
+The step count needs the data only when the run is counted in epochs (train.max_steps=-1): then the tokenizer and
+the training rows load as training loads them (their report lines go to stderr, keeping stdout a recipe).
+`train.micro_batch_size: auto` is planned with memory trials on the model: the plan then shows what is known
+without it (finetune-plan shows the choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from finetune.env import is_main_process, world_size
+from finetune.recipe import Config, accumulation_steps, to_yaml
+from finetune.recipe.usage import print_page
+
+
+def optimizer_steps(cfg: Config, ranks: int, accumulation: int) -> tuple[int, str]:
+    """(the run's optimizer steps, where the number comes from), counted as `build` counts them."""
+    from finetune.data import batching
+
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps, "train.max_steps"
+    from finetune.assemble import load_data, load_tokenizer
+
+    with contextlib.redirect_stdout(sys.stderr):  # the data report lines
+        _, vision, tokenizer = load_tokenizer(cfg)
+        batches, _, _ = load_data(cfg, tokenizer, vision, evaluate=False)
+    steps = batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
+    return steps, f"train.epochs={cfg.train.epochs:g}, counted from the data"
+
+
+def plan_lines(cfg: Config, ranks: int) -> list[str]:
+    """The plan: batch and lr, optimizer steps, warmup and schedule, precision."""
+    from finetune.training import schedules
+
+    s = cfg.schedule
+    precision = f"precision {cfg.train.precision} (weights loaded in {cfg.model.dtype})"
+    if cfg.train.micro_batch_size == "auto":
+        total, unit = schedules.global_batch_of(cfg)
+        return [
+            f"effective batch {total} {unit} = micro auto × accumulation (planned when training starts; "
+            "finetune-plan shows the choice) × "
+            f"{ranks} rank{'s' if ranks != 1 else ''}; lr {schedules.format_lr(schedules.peak_lr(cfg))}",
+            f"schedule {s.name}",
+            precision,
+        ]
+    accumulation = accumulation_steps(cfg, ranks)
+    steps, source = optimizer_steps(cfg, ranks, accumulation)
+    schedules.check_schedule(steps, s)  # as build checks it: a warmup as long as the run is an error here too
+    if s.name == "onecycle":
+        shape = f"schedule onecycle (pct_start {s.pct_start:g}, div_factor {s.div_factor:g}, anneal {s.anneal})"
+    else:
+        warmup = schedules.warmup_steps(steps, s)
+        shape = f"warmup {warmup} optimizer step{'s' if warmup != 1 else ''} ({s.warmup}); schedule {s.name}"
+        shape += f" down to min_lr_ratio {s.min_lr_ratio:g}" if s.name != "constant" else ""
+    return [
+        schedules.startup_line(cfg, ranks, accumulation, steps) + f" ({source})",
+        shape,
+        precision,
+    ]
+
+
+def dry_run(cfg: Config) -> int:
+    """Print the recipe and its plan on the main process; exit code 0."""
+    ranks = world_size()
+    lines = plan_lines(cfg, ranks)
+    if is_main_process():
+        page = [
+            f"# resolved recipe ({cfg.recipe or 'no recipe file'} + command line)",
+            to_yaml(cfg).rstrip("\n"),
+            "# plan (--dry-run: nothing trained, no model weights loaded)",
+            *(f"#   {line}" for line in lines),
+        ]
+        print_page("\n".join(page))
+    return 0
