@@ -131,6 +131,7 @@ def load_model(cfg: Config, folder: str, tokenizer, vision: bool, evaluating: bo
     why)."""
     set_seed(cfg.train.seed)
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
+    reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     packs = training_batching(cfg).packs or (evaluating and eval_batching(cfg.eval).packs)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
