@@ -63,8 +63,9 @@ def build(
 
     # learning rate and schedule, from the effective batch
     lr = schedules.peak_lr(cfg)
-    schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
+    if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
+        reporting.main_print(note)
 
     args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
