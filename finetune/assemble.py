@@ -58,8 +58,9 @@ def build(
 
     # learning rate and schedule, from the effective batch
     lr = schedules.peak_lr(cfg)
-    schedules.check_schedule(total_steps, cfg.schedule)
     reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
+    if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
+        reporting.main_print(note)
 
     args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
@@ -137,6 +138,7 @@ def load_model(cfg: Config, folder: str, tokenizer, vision: bool, evaluating: bo
     why)."""
     set_seed(cfg.train.seed)
     model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
+    reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     packs = training_batching(cfg).packs or (evaluating and eval_batching(cfg.eval).packs)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))

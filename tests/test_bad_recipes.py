@@ -301,3 +301,67 @@ def test_a_dataloader_worker_error_is_its_own_line_not_the_worker_traceback():
         "d.jsonl line 7: not valid JSON (Expecting value at column 1) (data.on_bad_row=skip skips such rows)"
     )
     assert _own_line("plain: message") == "plain: message"
+
+
+# ---- model.lora.* keys imply LoRA ----
+
+LORA_OFF = r"given but model\.lora\.enabled is false, so the full model would train; set model\.lora\.enabled=true"
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["model.lora.r=16"], "model.lora.r=16"),
+        (["model.lora.target_modules=all-linear"], "model.lora.target_modules=all-linear"),
+        (["model.lora.r=8"], "model.lora.r=8"),  # the default, given: still meant LoRA
+        (
+            ["model.lora.r=16", "model.lora.target_modules=all-linear"],
+            "model.lora.r=16, model.lora.target_modules=all-linear",
+        ),
+        (["model.lora={alpha: 32}"], "model.lora.alpha=32"),
+        (["model.lora.merge=true"], "model.lora.merge=true"),
+        (["model.lora.enabled=false", "model.lora.dropout=0.1"], "model.lora.dropout=0.1"),
+        (["model.lora.r=4", "model.lora.enabled=false"], "model.lora.r=4"),  # the command line's own keys count
+    ],
+)
+def test_a_lora_key_without_lora_enabled_is_one_error_naming_model_lora_enabled(argv, named):
+    with pytest.raises(RecipeError) as error:
+        load_config([f"recipe={DEBUG}", *argv])
+    message = str(error.value)
+    assert message.startswith(named) and re.search(LORA_OFF, message) and "\n" not in message, message
+    removed = ", ".join(part.split("=")[0] for part in named.split(", "))
+    assert message.endswith(f"to train a LoRA adapter, or remove {removed}"), message
+
+
+@pytest.mark.parametrize(
+    "argv", [["model.lora.r=16"], ["model.lora.target_modules=all-linear"], ["model.lora.merge=true"], []]
+)
+def test_lora_keys_with_lora_enabled_are_accepted(argv):
+    cfg = load_config([f"recipe={DEBUG}", "model.lora.enabled=true", *argv])
+    assert cfg.model.lora.enabled
+    cfg = load_config([f"recipe={DEBUG}", *argv, "model.lora.enabled=true"])  # in either order
+    assert cfg.model.lora.enabled
+    assert not load_config([f"recipe={DEBUG}", "model.lora.enabled=false"]).model.lora.enabled
+
+
+def lora_recipe(tmp_path, lora: str) -> str:
+    """`recipe=` recipes/debug.yaml with a `lora:` section of the model's."""
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(DEBUG_TEXT.replace("  from_config: true\n", "  from_config: true\n  lora:\n" + lora))
+    return f"recipe={recipe}"
+
+
+def test_a_lora_key_in_the_recipe_file_needs_lora_enabled_there_too(tmp_path):
+    with pytest.raises(RecipeError, match=r"^model\.lora\.r=16, model\.lora\.target_modules=all-linear " + LORA_OFF):
+        load_config([lora_recipe(tmp_path, "    r: 16\n    target_modules: all-linear\n")])
+    with pytest.raises(RecipeError, match=r"^model\.lora\.r=16 " + LORA_OFF):  # enabled: false beside it
+        load_config([lora_recipe(tmp_path, "    enabled: false\n    r: 16\n")])
+    with pytest.raises(RecipeError, match=r"^model\.lora\.alpha=16 " + LORA_OFF):  # alpha's default, written
+        load_config([lora_recipe(tmp_path, "    alpha: 16\n")])
+    recipe = lora_recipe(tmp_path, "    enabled: true\n    r: 16\n    target_modules: all-linear\n")
+    cfg = load_config([recipe])
+    assert cfg.model.lora.enabled and cfg.model.lora.r == 16 and cfg.model.lora.target_modules == "all-linear"
+    # a LoRA recipe trained in full on purpose: model.lora.enabled=false on the command line turns off its keys
+    assert not load_config([recipe, "model.lora.enabled=false"]).model.lora.enabled
+    with pytest.raises(RecipeError, match=r"^model\.lora\.r=4 " + LORA_OFF):
+        load_config([recipe, "model.lora.enabled=false", "model.lora.r=4"])

@@ -323,7 +323,10 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
             r"was trained with optim\.name=adamw, this run has optim\.name=sgd; resume with the recipe "
             r"that wrote it, or start fresh in another train\.output_dir$",
         ),
-        ("model.lora.r=4", r"was trained with model\.lora\.r=8, this run has model\.lora\.r=4; resume with the recipe"),
+        (
+            "model.dtype=bfloat16",
+            r"was trained with model\.dtype=float32, this run has model\.dtype=bfloat16; resume with the recipe",
+        ),
         (
             "data.loss_on=all",
             r"was trained with data\.loss_on=assistant, this run has data\.loss_on=all \(other rows\); "

@@ -67,7 +67,8 @@ def test_merged_lora_loads_without_peft_with_peft_merged_logits(tmp_path):
     [
         (
             ["model.lora.merge=true"],
-            r"^error: model\.lora\.merge=true needs model\.lora\.enabled=true \(it merges the trained adapter\)$",
+            r"^error: model\.lora\.merge=true given but model\.lora\.enabled is false, so the full model would train; "
+            r"set model\.lora\.enabled=true to train a LoRA adapter, or remove model\.lora\.merge$",
         ),
         (
             ["model.lora.enabled=true", "model.lora.target_modules=[all-linear,q_proj]"],

@@ -115,3 +115,18 @@ def test_profile_steps_write_a_table_and_a_trace(tmp_path):
     trace = json.loads((out / "profile_steps_2-3.trace.json").read_text())
     assert trace["traceEvents"]
     assert "profile of steps 2-3" in result.stdout
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_start_says_trainable_of_total_parameters_in_one_line_as_the_model_counts_them(lora, tmp_path, capsys):
+    from finetune.assemble import build
+    from finetune.recipe import load_config
+
+    argv = ["recipe=recipes/debug.yaml", "data.limit=16", f"train.output_dir={tmp_path}"]
+    trainer = build(load_config([*argv, *(["model.lora.enabled=true", "model.lora.r=16"] if lora else [])]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("parameters:")]
+    assert len(lines) == 1, lines
+    params = list(trainer.model.parameters())
+    trainable, total = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    assert lines[0] == f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f} %)"
+    assert (trainable < total / 10) if lora else (trainable == total)

@@ -251,6 +251,8 @@ BAD = [
     (["optim.lr_scaling=linear", "optim.base_batch_size=-8"], "optim.base_batch_size=-8 must be positive"),
     (["schedule.name=onecycle", "schedule.warmup_steps=3"], "schedule.warmup_steps does not apply to schedule.name="),
     (["schedule.warmup_ratio=1.0"], "schedule.warmup_ratio=1.0 must be in [0, 1)"),
+    (["schedule.warmup_ratio=-0.1"], "schedule.warmup_ratio=-0.1 must be in [0, 1)"),
+    (["schedule.warmup_steps=-2"], "schedule.warmup_steps=-2 must be ≥ 0"),
     (["optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
 ]
 
@@ -262,21 +264,87 @@ def test_bad_settings_fail_at_load_naming_the_key(argv, message):
     assert message in str(error.value)
 
 
-def test_warmup_not_below_the_run_length_is_refused():
-    with pytest.raises(RecipeError, match=r"schedule.warmup_steps=10 is not below the run's 10 optimizer steps"):
-        check_schedule(10, ScheduleConfig(name="warmup_cosine", warmup_steps=10))
-    with pytest.raises(RecipeError, match=r"schedule.warmup_ratio=0.95 \(10 steps\) is not below"):
-        check_schedule(10, ScheduleConfig(name="linear", warmup_ratio=0.95))
-    with pytest.raises(RecipeError, match="onecycle needs at least 2 optimizer steps"):
-        check_schedule(1, ScheduleConfig(name="onecycle"))
-    check_schedule(10, ScheduleConfig(name="linear", warmup_steps=9))
+def test_a_warmup_not_below_the_run_length_is_shortened_to_end_at_the_peak_with_one_note():
+    note = check_schedule(10, ScheduleConfig(name="warmup_cosine", warmup_steps=10))
+    assert note == (
+        "note: schedule.warmup_steps=10 is not below the run's 10 optimizer steps; warming up over 9 steps instead "
+        "(the last step at the peak lr)"
+    )
+    note = check_schedule(10, ScheduleConfig(name="linear", warmup_ratio=0.95))
+    assert note.startswith("note: schedule.warmup_ratio=0.95 (10 steps) is not below the run's 10 optimizer steps; ")
+    note = check_schedule(1, ScheduleConfig(name="constant", warmup_steps=3, warmup="constant"))
+    assert note.startswith("note: schedule.warmup_steps=3 is not below the run's 1 optimizer step; no warmup instead")
+    cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=5)
+    assert_close_all(lr_per_step(3, cfg, 1.0), [1 / 3, 2 / 3, 1.0])  # warmup 2: (step + 1) / 3, then the peak
+    assert lr_per_step(1, cfg, 1.0) == [1.0]
+    assert "onecycle over 1 optimizer step" in check_schedule(1, ScheduleConfig(name="onecycle"))
+    for total, cfg in [(10, ScheduleConfig(name="linear", warmup_steps=9)), (2, ScheduleConfig(name="onecycle"))]:
+        assert check_schedule(total, cfg) is None  # below the run: as the recipe says, nothing to note
+    cfg = ScheduleConfig(name="linear", warmup_steps=9)
+    assert_close_all(lr_per_step(10, cfg, 1e-3), [reference_lr(s, 10, 1e-3, cfg) for s in range(10)])
+    with pytest.raises(RecipeError, match="the run has 0 optimizer steps"):
+        check_schedule(0, ScheduleConfig(name="linear"))
+
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("total", [1, 2])
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_builds_its_schedule_for_a_1_and_a_2_step_run(recipe, total):
+    cfg = load_config([f"recipe={recipe}", f"train.max_steps={total}"])
+    note = check_schedule(total, cfg.schedule)
+    asked = cfg.schedule.warmup_steps or math.ceil(cfg.schedule.warmup_ratio * total)
+    if cfg.schedule.name == "onecycle":
+        assert (note is not None) == (total == 1)
+    elif asked >= total:
+        key = f"schedule.warmup_steps={cfg.schedule.warmup_steps}"
+        assert note.startswith(f"note: {key} is not below the run's {total} optimizer step"), note
+        assert f"warming up over {total - 1} step instead" in note if total > 1 else "no warmup instead" in note
+    else:
+        assert note is None
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr(cfg))
+    scheduler = build_scheduler(optimizer, total, cfg.schedule)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(total):  # the LR of steps 0..total (the last one past the run, where the scheduler ends)
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert all(math.isfinite(lr) and lr >= 0 for lr in lrs), lrs
+    if cfg.schedule.name != "onecycle":
+        assert lrs[total - 1] == pytest.approx(peak_lr(cfg))  # the warmup, shortened or not, ends at the peak
+
+
+@pytest.mark.parametrize("total, pct_start", [(10, 0.1), (2, 0.5), (20, 0.05)])
+def test_onecycle_whose_warmup_phase_is_one_step_builds(total, pct_start):
+    """torch's OneCycleLR divides by zero where pct_start × total_steps is 1 (recipes/vlm_seed.yaml: 0.1 of 10): the
+    one warm-up step at peak / div_factor, then the anneal from the peak."""
+    cfg = ScheduleConfig(name="onecycle", pct_start=pct_start)
+    lrs = lr_per_step(total, cfg, 1.0)
+    assert lrs[0] == pytest.approx(1 / cfg.div_factor) and lrs[-1] == pytest.approx(1 / 25 / 1e4)
+    assert all(math.isfinite(lr) for lr in lrs) and max(lrs) <= 1.0
+    if total > 2:
+        assert lrs[1] > 0.9 and lrs[1:] == sorted(lrs[1:], reverse=True)  # then the anneal
+
+
+@pytest.mark.subprocess
+def test_a_2_step_run_with_a_5_step_warmup_trains_with_one_note(tmp_path):
+    out = tmp_path / "out"
+    argv = ["train.max_steps=2", "schedule.name=warmup_cosine", "schedule.warmup_steps=5", f"train.output_dir={out}"]
+    result = run([sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv])
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in (result.stdout + result.stderr).splitlines() if "schedule.warmup_steps" in line]
+    assert notes == [
+        "note: schedule.warmup_steps=5 is not below the run's 2 optimizer steps; warming up over 1 step instead "
+        "(the last step at the peak lr)"
+    ]
+    state, lrs, steps = logged(out)
+    assert steps == [1, 2]
+    assert_close_all(lrs, [5e-4, 1e-3])  # debug.yaml's optim.lr 1e-3: half at the one warmup step, then the peak
 
 
 CLI_BAD = [
-    (
-        ["train.max_steps=4", "schedule.name=warmup_cosine", "schedule.warmup_steps=4"],
-        "schedule.warmup_steps=4 is not below the run's 4 optimizer steps",
-    ),
+    (["schedule.warmup_steps=-1"], "schedule.warmup_steps=-1 must be ≥ 0"),
     (["schedule.name=onecycle", "schedule.pct_start=1.0"], "schedule.pct_start=1.0 must be in (0, 1)"),
     (["optim.name=lion"], "optim.name='lion' is not one of adamw, sgd, lamb, lars"),
     (["schedule.name=cosine_warmup"], "schedule.name='cosine_warmup' is not one of"),

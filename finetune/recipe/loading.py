@@ -171,6 +171,36 @@ def _parse_override(arg: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+class LoraKeysGiven:
+    """The `model.lora.*` keys the recipe file and the overrides write, whatever their values (a key given equal to
+    its default counts: it says LoRA was meant). An override `model.lora.enabled=false` turns off the keys the recipe
+    file gave (a LoRA recipe trained in full on purpose); keys given on the command line always count."""
+
+    def __init__(self):
+        self.in_file: list[str] = []
+        self.overridden: list[str] = []
+
+    def add(self, layer: DictConfig, merged: DictConfig, from_file: bool) -> None:
+        lora = OmegaConf.select(layer, "model.lora", default=None)
+        written = [str(k) for k in lora.keys()] if isinstance(lora, DictConfig) else []
+        if not from_file and "enabled" in written and not merged.model.lora.enabled:
+            self.in_file = []
+        given = self.in_file if from_file else self.overridden
+        given += [k for k in written if k != "enabled" and k not in given]
+
+    def check(self, config: Config) -> None:
+        """A LoRA key without `model.lora.enabled=true` would silently train the full model: an error."""
+        keys = self.in_file + [k for k in self.overridden if k not in self.in_file]
+        if config.model.lora.enabled or not keys:
+            return
+        values = {k: getattr(config.model.lora, k) for k in keys}
+        given = ", ".join(f"model.lora.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
+        raise RecipeError(
+            f"{given} given but model.lora.enabled is false, so the full model would train; set "
+            f"model.lora.enabled=true to train a LoRA adapter, or remove {', '.join(f'model.lora.{k}' for k in keys)}"
+        )
+
+
 def load_config(argv: list[str]) -> Config:
     """`recipe=PATH` (at most one) and `key=value` overrides, in order, onto the schema; then the cross-field checks."""
     schema = OmegaConf.structured(Config)
@@ -181,10 +211,12 @@ def load_config(argv: list[str]) -> Config:
     recipes = [v for k, v in overrides if k == "recipe"]
     if len(recipes) > 1:
         raise RecipeError("recipe= given more than once; pass one recipe and override keys with key=value")
-    cfg = schema
+    cfg, lora = schema, LoraKeysGiven()
     if recipes:
         path = str(recipe_file(str(recipes[0])))
-        cfg = _merge(cfg, OmegaConf.create(_read_recipe(Path(path))), path)
+        layer = OmegaConf.create(_read_recipe(Path(path)))
+        cfg = _merge(cfg, layer, path)
+        lora.add(layer, cfg, from_file=True)
         cfg.recipe = path
     for key, value in overrides:
         if key == "recipe":
@@ -195,11 +227,13 @@ def load_config(argv: list[str]) -> Config:
         except OmegaConfBaseException:
             raise RecipeError(f"override '{key}={value}': not a valid key") from None
         cfg = _merge(cfg, dotted, "command line")
+        lora.add(dotted, cfg, from_file=False)
     missing = sorted(k for k in OmegaConf.missing_keys(cfg))
     if missing:
         raise RecipeError(f"{', '.join(missing)} must be set; add it to the recipe or pass {missing[0]}=…")
     config: Config = OmegaConf.to_object(cfg)
     check_config(config)
+    lora.check(config)
     return config
 
 

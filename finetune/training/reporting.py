@@ -78,6 +78,17 @@ def wandb_mode(cfg: Config) -> str:
     return "online" if has_wandb_key() and wandb_answer(wandb_url()) is None else "offline"
 
 
+def parameters_line(model: torch.nn.Module) -> str:
+    """`parameters: 1,843,200 trainable of 136,358,400 (1.35 %)`: each parameter once (tied weights are one), at its
+    full size (ZeRO-3's ds_numel for a partitioned one)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f} %)"
+
+
 def configure_wandb(cfg: Config) -> None:
     """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`.
     online without a key or an answering service is a RecipeError (nothing is written); auto falls back to offline

@@ -30,30 +30,40 @@ def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -
     raise choice_error("optim.lr_scaling", rule)
 
 
-def warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
-    """Warmup length in optimizer steps: schedule.warmup_steps, or ⌈warmup_ratio × total⌉."""
+def recipe_warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
+    """The warmup the recipe asks for, in optimizer steps: schedule.warmup_steps, or ⌈warmup_ratio × total⌉."""
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
 
 
-def check_schedule(total_steps: int, cfg: ScheduleConfig) -> None:
-    """Cross-checks that need the run's length (known once the data is batched); raised before training starts."""
+def warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
+    """The warmup used: the recipe's, at most total_steps - 1 (a run as short as its warmup, e.g. a 2-step smoke test
+    of a recipe that warms up over 2, still reaches the peak at its last step; a 1-step run has none)."""
+    return min(recipe_warmup_steps(total_steps, cfg), max(total_steps - 1, 0))
+
+
+def check_schedule(total_steps: int, cfg: ScheduleConfig) -> str | None:
+    """Cross-checks that need the run's length (known once the data is batched), raised before training starts; the
+    one note to print (None: nothing to say) when the warmup is shortened to fit the run."""
     if total_steps < 1:
         raise RecipeError(f"the run has {total_steps} optimizer steps; raise train.max_steps or train.epochs")
-    if cfg.name == "onecycle":
-        if total_steps < 2:
-            raise RecipeError(f"schedule.name=onecycle needs at least 2 optimizer steps; the run has {total_steps}")
-        return
-    warmup = warmup_steps(total_steps, cfg)
-    if warmup >= total_steps:
-        key = (
-            f"schedule.warmup_steps={cfg.warmup_steps}"
-            if cfg.warmup_steps > 0
-            else (f"schedule.warmup_ratio={cfg.warmup_ratio} ({warmup} steps)")
-        )
-        raise RecipeError(
-            f"{key} is not below the run's {total_steps} optimizer steps; lower it (or raise train.max_steps / "
-            "train.epochs)"
-        )
+    if cfg.name == "onecycle":  # torch's OneCycleLR, warming up over pct_start of the run, however short
+        if total_steps == 1:
+            return (
+                "note: schedule.name=onecycle over 1 optimizer step: the step runs at the cycle's final lr (peak / "
+                "schedule.div_factor / schedule.final_div_factor)"
+            )
+        return None
+    asked, used = recipe_warmup_steps(total_steps, cfg), warmup_steps(total_steps, cfg)
+    if asked == used:
+        return None
+    key = (
+        f"schedule.warmup_steps={cfg.warmup_steps}"
+        if cfg.warmup_steps > 0
+        else f"schedule.warmup_ratio={cfg.warmup_ratio} ({asked} step{'s' if asked != 1 else ''})"
+    )
+    steps = f"{total_steps} optimizer step{'s' if total_steps != 1 else ''}"
+    instead = f"warming up over {used} step{'s' if used != 1 else ''}" if used else "no warmup"
+    return f"note: {key} is not below the run's {steps}; {instead} instead (the last step at the peak lr)"
 
 
 def warmup_factor(step: int, warmup: int, shape: str, constant_factor: float) -> float:
@@ -83,6 +93,15 @@ def lr_factor(step: int, total_steps: int, cfg: ScheduleConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
+def onecycle_pct_start(pct_start: float, total_steps: int) -> float:
+    """pct_start as torch's OneCycleLR gets it. Where pct_start × total_steps is exactly 1 (0.1 of 10 steps, 0.5 of 2)
+    its warm-up phase starts and ends at step 0 and torch divides by zero; the next float above keeps the one warm-up
+    step that pct_start asks for (step 0 at peak / div_factor, the peak's anneal from step 1)."""
+    while float(pct_start * total_steps) - 1 == 0:
+        pct_start = math.nextafter(pct_start, 1.0)
+    return pct_start
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: ScheduleConfig):
     """The scheduler the Trainer steps once per optimizer step; each param group's LR is its peak."""
     if cfg.name == "onecycle":
@@ -91,7 +110,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Sch
             optimizer,
             max_lr=[group["lr"] for group in optimizer.param_groups],
             total_steps=total_steps,
-            pct_start=cfg.pct_start,
+            pct_start=onecycle_pct_start(cfg.pct_start, total_steps),
             anneal_strategy=cfg.anneal,
             div_factor=cfg.div_factor,
             final_div_factor=cfg.final_div_factor,
