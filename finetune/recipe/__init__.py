@@ -9,6 +9,7 @@ mistake in a second. Everything else in finetune may import it; it imports nothi
 
 from finetune.recipe.batch_modes import MODES, Batching
 from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
+from finetune.recipe.fields import RecipeError, first_line
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
 from finetune.recipe.schema import (
     CHOICES,
@@ -21,11 +22,9 @@ from finetune.recipe.schema import (
     MixtureSource,
     ModelConfig,
     OptimConfig,
-    RecipeError,
     ScheduleConfig,
     TrainConfig,
     choice_error,
-    first_line,
 )
 from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, mixture_names, training_batching
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from finetune.recipe.schema import RecipeError
+from finetune.recipe.fields import RecipeError
 
 COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 

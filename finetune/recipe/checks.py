@@ -7,7 +7,8 @@ from typing import Any
 from finetune import env
 from finetune.recipe.batch_modes import Batching
 from finetune.recipe.bounds import check_numbers
-from finetune.recipe.schema import CHOICES, Config, DataConfig, RecipeError, choice_error
+from finetune.recipe.fields import RecipeError
+from finetune.recipe.schema import CHOICES, Config, DataConfig, choice_error
 from finetune.recipe.set_checks import check_batching, check_eval, check_mixture, training_batching
 
 

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from finetune.recipe.checks import check_config
-from finetune.recipe.schema import OPEN_DICTS, Config, RecipeError, first_line
+from finetune.recipe.fields import RecipeError, first_line
+from finetune.recipe.schema import OPEN_DICTS, Config
 from finetune.recipe.yaml_reader import parse_yaml, read_yaml_file
 
 BUILT_IN_RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # beside the package in a clone (editable install)

@@ -6,67 +6,13 @@ from it), and the error every recipe mistake becomes. `finetune/recipe/loading.p
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from omegaconf import MISSING
 
 from finetune.recipe.batch_modes import MODES
-
-
-class RecipeError(ValueError):
-    """A problem with the recipe or its inputs that the user can fix; printed as one line, exit code 2."""
-
-
-def first_line(error: BaseException) -> str:
-    """An exception worded for a user's one-line message: its first line, or its type's name when it has no text."""
-    text = str(error)
-    return text.splitlines()[0] if text.strip() else type(error).__name__
-
-
-def one_of(*choices: str, default: str | None = None, help: str = "") -> Any:
-    """A key whose value is one of `choices` (default: the first); `help`: its one-line description."""
-    return field(default=choices[0] if default is None else default, metadata={"choices": choices, "help": help})
-
-
-def number(
-    default: Any = None,
-    *,
-    min: float | None = None,
-    max: float | None = None,
-    min_exclusive: bool = False,
-    max_exclusive: bool = False,
-    count: int | None = None,
-    hint: str = "",
-    help: str = "",
-) -> Any:
-    """A numeric key (or a list or map of numbers, each checked): finite, within [min, max] (or the open ends).
-    `checks.check_numbers` checks every such key and words its message from these bounds; `count`: a list's length,
-    `hint`: what the bound means, added to the message; `help`: the key's one-line description."""
-    bounds = {
-        "min": min,
-        "max": max,
-        "min_exclusive": min_exclusive,
-        "max_exclusive": max_exclusive,
-        "count": count,
-        "hint": hint,
-    }
-    metadata = {"number": bounds, "help": help}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def setting(default: Any = None, *, help: str) -> Any:
-    """Any other key, with its one-line description (`--help` prints it); a list or map default is copied per config."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def section(cls: type) -> Any:
-    """A nested section (its description: the class docstring's first line)."""
-    return field(default_factory=cls)
+from finetune.recipe.fields import RecipeError, number, one_of, section, setting
 
 
 @dataclass

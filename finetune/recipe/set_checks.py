@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 from finetune.recipe.batch_modes import MODES, Batching
-from finetune.recipe.schema import CHOICES, Config, DataConfig, EvalConfig, RecipeError, choice_error
+from finetune.recipe.fields import RecipeError
+from finetune.recipe.schema import CHOICES, Config, DataConfig, EvalConfig, choice_error
 
 
 def training_batching(config: Config) -> Batching:

@@ -14,7 +14,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from finetune.recipe.bounds import bounds_text
-from finetune.recipe.schema import Config, MixtureSource, RecipeError
+from finetune.recipe.fields import RecipeError
+from finetune.recipe.schema import Config, MixtureSource
 
 HELP_FLAGS = ("--help", "-h")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from finetune.recipe.schema import RecipeError, first_line
+from finetune.recipe.fields import RecipeError, first_line
 
 MAX_NODES = 20_000  # expanded nodes a recipe may hold: a real one has hundreds; aliases past this are a bomb
 MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -5,7 +5,8 @@ temporary folder removed on `close()` or when used as a context manager) and run
 optimizer step) on copies of the dataset's longest row, every token a target. On a GPU a step reports its peak
 reserved memory (an out-of-memory raises `torch.OutOfMemoryError`); on CPU the RSS before the step (after glibc hands
 freed heap back) plus the peak of tensor bytes the step allocated, from torch's profiler. `fit_line` turns CPU
-measurements into fixed + per-token bytes; `available_bytes` is what the process may grow to.
+measurements into fixed + per-token bytes; `available_bytes` is what the process may grow to; `eval_memory` is an
+evaluation's expected peak.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import tempfile
 from dataclasses import replace
 
 from finetune import env
-from finetune.recipe import Config, is_budgeted
+from finetune.recipe import Config, RecipeError, is_budgeted
+
+GIB = 2**30
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
@@ -242,3 +245,29 @@ def peak_allocation(profiler) -> float:
             running += event.nbytes()
             peak = max(peak, running)
     return float(peak)
+
+
+def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tuple[float, str]:
+    """(expected peak bytes, a line) of an evaluation: a forward without gradients on the worst-case eval micro-batch
+    (measured), and the KV cache of generating a sample (computed); a RecipeError when it does not fit."""
+    if getattr(trials.trainer, "eval_setup", None) is None:
+        return 0.0, ""
+    _, rows, tokens = trials.eval_items()
+    try:
+        before, peak = trials.eval_peak()
+    except trials.oom:
+        before, peak = 0.0, math.inf
+    cache, cache_tokens = trials.kv_cache_bytes()
+    expected = max(peak, before + cache) + ddp
+    if expected > limit:
+        raise RecipeError(
+            f"evaluation does not fit: the eval micro-batch of {rows} rows ({tokens} tokens of the longest eval row) "
+            + ("ran out of memory" if peak == math.inf else f"needs {expected / GIB:.2f} GiB")
+            + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower eval.micro_batch_size or "
+            "eval.max_tokens_per_micro_batch"
+        )
+    return expected, (
+        f"micro-batch of {rows} rows ({tokens} tokens of the longest eval row), no gradients: expected "
+        f"peak {expected / GIB:.2f} GiB per rank, measured; generate KV cache {cache / 2**20:.1f} MiB "
+        f"({cache_tokens} tokens of the longest sample prompt + eval.max_new_tokens)"
+    )

@@ -35,10 +35,9 @@ from finetune import env
 from finetune.recipe import Config, RecipeError, check_config, is_budgeted, load_config, split_tool_args
 from finetune.recipe.usage import Command, ToolKey, help_asked, print_page
 from finetune.tools.boundary import run_command
-from finetune.tools.memory_trials import Trials, available_bytes, fit_line
+from finetune.tools.memory_trials import GIB, Trials, available_bytes, eval_memory, fit_line
 
 HEADROOM = 0.10
-GIB = 2**30
 CPU_TRIAL_TOKENS = 8192  # CPU trials stay this small: a real model's step on many thousand tokens is slow on a CPU
 SAFE_TRIAL = 0.8  # a CPU trial runs only where the prediction so far is this far below the limit
 COMMAND = Command(
@@ -235,32 +234,6 @@ def plan(
         key, value, total // (value * ranks), ranks, total, unit, peak, limit, limit_text, lr, lr_text, how,
         runs.peaks, predicted, eval_bytes, eval_text,
     )  # fmt: skip
-
-
-def eval_memory(trials: Trials, ddp: float, limit: float, limit_text: str) -> tuple[float, str]:
-    """(expected peak bytes, a line) of an evaluation: a forward without gradients on the worst-case eval micro-batch
-    (measured), and the KV cache of generating a sample (computed); a RecipeError when it does not fit."""
-    if getattr(trials.trainer, "eval_setup", None) is None:
-        return 0.0, ""
-    _, rows, tokens = trials.eval_items()
-    try:
-        before, peak = trials.eval_peak()
-    except trials.oom:
-        before, peak = 0.0, math.inf
-    cache, cache_tokens = trials.kv_cache_bytes()
-    expected = max(peak, before + cache) + ddp
-    if expected > limit:
-        raise RecipeError(
-            f"evaluation does not fit: the eval micro-batch of {rows} rows ({tokens} tokens of the longest eval row) "
-            + ("ran out of memory" if peak == math.inf else f"needs {expected / GIB:.2f} GiB")
-            + f", over the limit of {limit / GIB:.2f} GiB ({limit_text}); lower eval.micro_batch_size or "
-            "eval.max_tokens_per_micro_batch"
-        )
-    return expected, (
-        f"micro-batch of {rows} rows ({tokens} tokens of the longest eval row), no gradients: expected "
-        f"peak {expected / GIB:.2f} GiB per rank, measured; generate KV cache {cache / 2**20:.1f} MiB "
-        f"({cache_tokens} tokens of the longest sample prompt + eval.max_new_tokens)"
-    )
 
 
 def resolve_auto_micro_batch(cfg: Config) -> Config:
