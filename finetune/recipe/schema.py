@@ -54,6 +54,12 @@ def number(
     return field(default=default, metadata={"number": bounds})
 
 
+def mapping(keys: tuple[str, ...] = (), values: tuple[str, ...] = ()) -> Any:
+    """A map key (default empty) whose own keys, or values, are one of `keys` / `values` where given;
+    `checks.check_mappings` checks every such key."""
+    return field(default_factory=dict, metadata={"mapping": {"keys": keys, "values": values}})
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
@@ -92,11 +98,37 @@ class MixtureSource:
     split: str | None = None  # a hub dataset's split; default: data.split
 
 
+# the fields of a data row that data.columns can read from a column of another name (finetune/data/formats.py)
+ROW_FIELDS = (
+    "messages",
+    "conversations",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "history",
+    "prompt",
+    "completion",
+    "text",
+)
+
+
 @dataclass
 class DataConfig:
     source: str = "stdlib_docs"  # stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id
     split: str = "train"
-    format: str = one_of("auto", "messages", "prompt_completion", "text")
+    # auto: the first whose columns a row has: messages, conversations (sharegpt), instruction + output (alpaca),
+    # prompt + completion, text. ShareGPT and Alpaca rows become messages (docs/data.md shows a row of each)
+    format: str = one_of("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text")
+    # {field: your column}, read as that field (e.g. {prompt: question, completion: answer}); fields: messages,
+    # conversations, instruction, input, output, system, history, prompt, completion, text
+    columns: dict[str, str] = mapping(keys=ROW_FIELDS)
+    # {your role name: ours} for messages and conversations (e.g. {bot: assistant}); ShareGPT's human, gpt,
+    # observation (tool) and function_call (assistant) are known without it
+    roles: dict[str, str] = mapping(values=("user", "assistant", "system", "tool"))
+    # the keys a message of messages or conversations has, e.g. {role: from, content: value}; default: role and
+    # content for messages, from and value for conversations (ShareGPT)
+    message_keys: dict[str, str] = mapping(keys=("role", "content"))
     max_length: int = number(1024, min=1)
     truncation: str = one_of("right", "drop", "error")
     loss_on: str = one_of("assistant", "completion", "all")
@@ -219,7 +251,16 @@ class Config:
     recipe: str | None = None  # the YAML file this config came from
 
 
-OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers", "eval.sets")
+# maps whose keys the user names (the data.* maps: checked by checks.check_mappings)
+OPEN_DICTS = (
+    "model.config_overrides",
+    "model.vision_config",
+    "optim.lr_multipliers",
+    "eval.sets",
+    "data.columns",
+    "data.roles",
+    "data.message_keys",
+)
 
 
 def _choices(section: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
