@@ -163,7 +163,7 @@ def conversation(value: Any, fmt: str, data: DataConfig) -> list[dict]:
         if fmt == "sharegpt" and role not in names:
             raise BadRow(
                 f"{what}[{k}].{role_key}={role!r} is not a ShareGPT role ({', '.join(names)}); data.roles={{{role}: "
-                "assistant}} maps it (to user, assistant, system or tool)"
+                "assistant} maps it (to user, assistant, system or tool)"
             )
         rest = {key: v for key, v in message.items() if key not in (role_key, content_key) and v is not None}
         content = string_field(message[content_key], f"{what}[{k}].{content_key}")
