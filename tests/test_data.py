@@ -81,7 +81,8 @@ def test_prompt_completion_and_text_formats(tok, tmp_path):
 
 def test_explicit_format_and_missing_columns_name_what_was_found(tok, tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(RecipeError, match=r"columns found: question, answer; expected messages; prompt \+ completion"):
+    expected = r"expected messages; conversations \(sharegpt\); instruction \+ output \(alpaca\); prompt \+ completion"
+    with pytest.raises(RecipeError, match=r"columns found: question, answer; " + expected):
         load(tok, path)
     with pytest.raises(RecipeError, match=r"columns found: question, answer; expected text \(data.format=text\)"):
         load(tok, path, format="text")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups, row_collator
+from finetune.data.formats import form, rows_as_read
 from finetune.data.sources import DataReport, Record, read_records
 from finetune.data.streaming import stream_sft_dataset
 from finetune.data.text import load_sft_dataset
@@ -40,7 +41,7 @@ QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `j
 class EvalSet:
     dataset: MicroBatches  # items are whole eval micro-batches
     collator: Callable
-    records: list[Record]  # the raw eval rows: the sample prompts come from them
+    records: list[Record]  # the eval rows as text.py reads them (formats.as_read): the sample prompts come from them
     format: str  # messages | prompt_completion | text | messages+images
     rows: int
     tokens: int  # real tokens of the eval rows (eval tokens/s)
@@ -277,8 +278,8 @@ def load_eval_set(rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokeni
     return EvalSet(
         dataset,
         collator,
-        records,
-        eval_report.format,
+        rows_as_read(eval_report.format, records, config),  # ShareGPT, Alpaca, data.columns: as text.py reads them
+        form(eval_report.format),
         eval_report.rows_kept,
         sum(lengths),
         eval_report.target_tokens,

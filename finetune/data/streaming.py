@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.data.formats import detect_format
 from finetune.data.source_files import local_files
 from finetune.data.sources import (
     BadRow,
@@ -35,7 +36,7 @@ from finetune.data.sources import (
     read_error,
     reject_row,
 )
-from finetune.data.text import blank_tokens, char_limit, detect_format, fit_row, row_labels, row_strings
+from finetune.data.text import blank_tokens, char_limit, fit_row, row_labels, row_strings
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -143,7 +144,7 @@ class StreamingSFT(torch.utils.data.IterableDataset):
             if worker is not None and k % worker.num_workers != worker.id:
                 continue
             try:
-                strings, cut = row_strings(fmt, record, self.tokenizer, data.loss_on, max_chars)
+                strings, cut = row_strings(fmt, record, self.tokenizer, data, max_chars)
                 encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
                 ids, labels = row_labels(fmt, data.loss_on, encoded, blank)
             except BadRow as e:
@@ -165,7 +166,7 @@ def stream_sft_dataset(
     if not peek:
         skipped = f" ({report.bad_rows_skipped:,} bad rows skipped; data.on_bad_row=error names the first)"
         raise RecipeError(f"data.source={data.source}: no rows to read{skipped if report.bad_rows_skipped else ''}")
-    fmt = report.format = detect_format(data.format, peek, data.source)
+    fmt = report.format = detect_format(data.format, peek, data.source, data.columns)
     dataset = StreamingSFT(data, tokenizer, fmt, seed, endless)
     if next(dataset.rows(), None) is None and len(peek) < PEEK_ROWS:
         raise RecipeError(f"data.source={data.source}: no rows left ({dataset.report.summary()})")

@@ -3,8 +3,9 @@
 `load_sft_dataset(data, tokenizer)` returns a `datasets.Dataset` with `input_ids` and `labels` (-100 where there is
 no loss; not shifted: labels[i] is the target token at position i, the trainer shifts) and a `DataReport`.
 
-Rows come from finetune/data/sources.py (`stdlib_docs`, a file or folder, a hub dataset id). Formats: `messages`
-([{role, content}, …]), `prompt`/`completion` (strings, or lists of messages), `text`. Chat rows go through
+Rows come from finetune/data/sources.py (`stdlib_docs`, a file or folder, a hub dataset id). Forms read here:
+`messages` ([{role, content}, …]), `prompt`/`completion` (strings, or lists of messages), `text`; ShareGPT and Alpaca
+rows, and other columns, keys and role names, come to them through finetune/data/formats.py. Chat rows go through
 `tokenizer.apply_chat_template`; the assistant spans come from prefix renderings (most templates have no
 `{% generation %}` tags): for assistant turn i, messages[:i] with the generation prompt ends where the turn starts
 and messages[:i+1] ends where it ends. The span keeps the end-of-turn token (e.g. `<|im_end|>`) but not the
@@ -24,11 +25,11 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.chat_templates import require_chat_template
+from finetune.data.formats import FORMAT_COLUMNS, as_read, detect_format, form, string_field
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError, first_line
 
-COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 CHAT_ROLES = ("system", "user", "assistant")
 TOOL_ROLES = ("tool", "ipython", "function")  # allowed where the chat template names them
 # the roles each role may follow (None: the start); a tool role follows an assistant turn or another tool result
@@ -41,40 +42,6 @@ if TYPE_CHECKING:
 # ---- rows to conversations or text ----
 
 
-def detect_format(requested: str, records: list[Record], source: str) -> str:
-    columns = list(dict.fromkeys(k for _, r in records if isinstance(r, dict) for k in r))
-    if requested == "auto":
-        for fmt, needed in COLUMNS.items():
-            if all(c in columns for c in needed):
-                return fmt
-        expected = "; ".join(" + ".join(c) for c in COLUMNS.values())
-    else:
-        if all(c in columns for c in COLUMNS[requested]):
-            return requested
-        expected = " + ".join(COLUMNS[requested]) + f" (data.format={requested})"
-    raise RecipeError(f"data.source={source}: columns found: {', '.join(columns) or 'none'}; expected {expected}")
-
-
-def _text(value: Any, what: str) -> str:
-    if value is None or isinstance(value, str) and not value.strip():
-        raise BadRow(f"{what} is empty")
-    if not isinstance(value, str):
-        raise BadRow(f"{what} is {type(value).__name__}, not a string")
-    check_text(value, what)
-    return value
-
-
-def check_text(value: str, what: str) -> None:
-    """A lone surrogate (a broken \\u escape in JSON) is not text: no tokenizer can encode it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRow(
-            f"{what} holds a lone surrogate ({value[e.start]!r} at character {e.start + 1}), which is not "
-            "text (a broken \\u escape?); fix or remove it"
-        ) from None
-
-
 def chat_roles(tokenizer) -> tuple[str, ...]:
     """The roles a conversation may have with this tokenizer's chat template."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -82,9 +49,10 @@ def chat_roles(tokenizer) -> tuple[str, ...]:
     return CHAT_ROLES + tuple(r for r in TOOL_ROLES if f"'{r}'" in template or f'"{r}"' in template)
 
 
-def check_turns(messages: list[dict], roles: tuple[str, ...], what: str) -> None:
+def check_turns(messages: list[dict], roles: tuple[str, ...], what: str, remap: bool = False) -> None:
     """Known roles, in order: an optional system turn first, then user and assistant turns alternating from a user
-    turn; a tool result follows an assistant turn (or another result) and is answered by the assistant."""
+    turn; a tool result follows an assistant turn (or another result) and is answered by the assistant. `remap`: an
+    unknown role's message names data.roles (text rows read through formats.py)."""
     previous = None
     for k, message in enumerate(messages, 1):
         role = message["role"]
@@ -93,6 +61,11 @@ def check_turns(messages: list[dict], roles: tuple[str, ...], what: str) -> None
             raise BadRow(
                 f"{what}[{k}].role={role!r} is not a chat role ({', '.join(roles)})"
                 + (f"; did you mean '{guess[0]}'?" if guess else "")
+                + (
+                    f"; data.roles={{{role}: ROLE}} maps it to one"
+                    if remap and role not in CHAT_ROLES + TOOL_ROLES
+                    else ""
+                )
             )
         if previous not in FOLLOWS.get(role, ("assistant", *TOOL_ROLES)):
             raise BadRow(f"{what}[{k}] is {_order_problem(role, previous)}")
@@ -121,8 +94,8 @@ def _messages(value: Any, what: str) -> list[dict]:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise BadRow(f"{what}[{k}] is not a {{role, content}} message")
         message = {key: v for key, v in message.items() if v is not None}  # parquet fills absent struct fields
-        _text(message.get("role"), f"{what}[{k}].role")
-        message["content"] = _text(message.get("content"), f"{what}[{k}].content")
+        string_field(message.get("role"), f"{what}[{k}].role")
+        message["content"] = string_field(message.get("content"), f"{what}[{k}].content")
         out.append(message)
     return out
 
@@ -130,12 +103,15 @@ def _messages(value: Any, what: str) -> list[dict]:
 def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT_ROLES) -> tuple[Any, list[int]]:
     """(text, []) for text rows; (messages, indices of the labelled turns) for chat rows, their roles checked."""
     if not isinstance(record, dict):
-        raise BadRow(f"a row is an object with {' + '.join(COLUMNS[fmt])}, not {type(record).__name__}")
-    missing = [c for c in COLUMNS[fmt] if c not in record]
+        raise BadRow(f"a row is an object with {' + '.join(FORMAT_COLUMNS[fmt])}, not {type(record).__name__}")
+    missing = [c for c in FORMAT_COLUMNS[fmt] if c not in record]
     if missing:
-        raise BadRow(f"missing {', '.join(missing)} (row has: {', '.join(record) or 'nothing'})")
+        raise BadRow(
+            f"missing {', '.join(missing)} (row has: {', '.join(record) or 'nothing'}); data.columns="
+            f"{{{missing[0]}: YOUR_COLUMN}} reads it from another column"
+        )
     if fmt == "text":
-        return _text(record["text"], "text"), []
+        return string_field(record["text"], "text"), []
     if fmt == "messages":
         messages = _messages(record["messages"], "messages")
         first = 0
@@ -144,15 +120,15 @@ def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT
         prompt = (
             _messages(prompt, "prompt")
             if isinstance(prompt, list)
-            else [{"role": "user", "content": _text(prompt, "prompt")}]
+            else [{"role": "user", "content": string_field(prompt, "prompt")}]
         )
         completion = (
             _messages(completion, "completion")
             if isinstance(completion, list)
-            else [{"role": "assistant", "content": _text(completion, "completion")}]
+            else [{"role": "assistant", "content": string_field(completion, "completion")}]
         )
         messages, first = prompt + completion, len(prompt)  # the prompt is never a target
-    check_turns(messages, roles, "messages" if fmt == "messages" else "prompt + completion")
+    check_turns(messages, roles, "messages" if fmt == "messages" else "prompt + completion", remap=True)
     turns = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
     return messages, (turns[-1:] if loss_on == "completion" else turns)
 
@@ -198,10 +174,14 @@ def char_limit(tokenizer, max_length: int) -> int:
     return 2 * max_length * _longest_token(tokenizer)
 
 
-def row_strings(fmt: str, record: Any, tokenizer, loss_on: str, max_chars: int | None = None) -> tuple[list[str], bool]:
-    """(what to tokenize for one row: the row, then per labelled assistant turn its two prefix renderings; whether a
-    text was cut at `max_chars` first, which leaves the row longer than data.max_length all the same)."""
-    row, turns = parse_row(fmt, record, loss_on, chat_roles(tokenizer))
+def row_strings(
+    fmt: str, record: Any, tokenizer, data: DataConfig, max_chars: int | None = None
+) -> tuple[list[str], bool]:
+    """(what to tokenize for one row of format `fmt` (formats.py: read as `form(fmt)`): the row, then per labelled
+    assistant turn its two prefix renderings; whether a text was cut at `max_chars` first, which leaves the row longer
+    than data.max_length all the same)."""
+    loss_on = data.loss_on
+    row, turns = parse_row(form(fmt), as_read(fmt, record, data), loss_on, chat_roles(tokenizer))
     if fmt == "text":
         return [row[:max_chars]], max_chars is not None and len(row) > max_chars
     cut = next((i for i, m in enumerate(row) if max_chars is not None and len(m["content"]) > max_chars), None)
@@ -270,12 +250,12 @@ def load_sft_dataset(
     if not records:
         skipped = f" ({report.bad_rows_skipped:,} bad rows skipped; data.on_bad_row=error names the first)"
         raise RecipeError(f"data.source={data.source}: no rows to read{skipped if report.bad_rows_skipped else ''}")
-    fmt = report.format = detect_format(data.format, records, data.source)
+    fmt = report.format = detect_format(data.format, records, data.source, data.columns)
     rows, strings = [], []  # (where, first string, how many, cut); every string is tokenized in one batch call
     max_chars = char_limit(tokenizer, data.max_length)
     for where, record in records:
         try:
-            texts, cut = row_strings(fmt, record, tokenizer, data.loss_on, max_chars)
+            texts, cut = row_strings(fmt, record, tokenizer, data, max_chars)
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue

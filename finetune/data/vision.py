@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from finetune.data.formats import check_text, detect_format
 from finetune.data.images import image_base_dir, open_image, stored_image, stored_ref
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
-from finetune.data.text import CHAT_ROLES, blank_tokens, check_text, check_turns, detect_format, render_chat, row_labels
+from finetune.data.text import CHAT_ROLES, blank_tokens, check_turns, render_chat, row_labels
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError, first_line
 

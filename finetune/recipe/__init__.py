@@ -9,6 +9,7 @@ mistake in a second. Everything else in finetune may import it; it imports nothi
 
 from finetune.recipe.batch_modes import MODES, Batching
 from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
+from finetune.recipe.data_schema import MixtureSource
 from finetune.recipe.fields import RecipeError, first_line
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
 from finetune.recipe.schema import (
@@ -19,7 +20,6 @@ from finetune.recipe.schema import (
     EvalConfig,
     LogConfig,
     LoraConfig,
-    MixtureSource,
     ModelConfig,
     OptimConfig,
     ScheduleConfig,

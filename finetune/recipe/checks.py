@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from finetune import env
@@ -78,6 +79,7 @@ def check_config(config: Config) -> None:
     check_choices(config)
     check_lr_scaling(config)
     check_numbers(config)  # every key's own bounds (schema.number), before any key is combined with another
+    check_mappings(config)
     check_named(config)
     check_run_length(config)
     check_batching(training_batching(config), config.data.max_length, config.data.streaming)
@@ -99,6 +101,25 @@ def check_choices(config: Config) -> None:
     micro = config.train.micro_batch_size
     if isinstance(micro, str) and micro != "auto":
         raise RecipeError(f"train.micro_batch_size={micro!r} must be a positive integer or auto")
+
+
+def check_mappings(section: Any, prefix: str = "") -> None:
+    """Every map key of the schema (schema.mapping): its keys and values are names, each one of those it allows."""
+    for f in fields(section):
+        key, value = prefix + f.name, getattr(section, f.name)
+        if is_dataclass(value):
+            check_mappings(value, key + ".")
+        if "mapping" not in f.metadata:
+            continue
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}={value!r} is not a map; write e.g. {key}={{name: other}}")
+        allowed = f.metadata["mapping"]
+        for name, target in value.items():
+            if not str(name).strip() or not isinstance(target, str) or not target.strip():
+                raise RecipeError(f"{key}.{name}={target!r}: both sides must be names (non-empty text)")
+            for part, choices in ((name, allowed["keys"]), (target, allowed["values"])):
+                if choices and part not in choices:
+                    raise RecipeError(f"{key}.{name}={target}: {part!r} is not one of {', '.join(choices)}")
 
 
 def check_lr_scaling(config: Config) -> None:

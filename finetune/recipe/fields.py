@@ -1,6 +1,6 @@
-"""How a recipe key is declared (`one_of`, `number`, `setting`, `section`: its default, choices or bounds, and its
-one-line description) and the error every recipe mistake becomes. `finetune/recipe/schema.py` declares the keys with
-these; nothing here knows a key."""
+"""How a recipe key is declared (`one_of`, `number`, `mapping`, `setting`, `section`: its default, choices or bounds,
+and its one-line description) and the error every recipe mistake becomes. `finetune/recipe/schema.py` declares
+the keys with these; nothing here knows a key."""
 
 from __future__ import annotations
 
@@ -61,3 +61,9 @@ def setting(default: Any = None, *, help: str) -> Any:
 def section(cls: type) -> Any:
     """A nested section (its description: the class docstring's first line)."""
     return field(default_factory=cls)
+
+
+def mapping(keys: tuple[str, ...] = (), values: tuple[str, ...] = (), *, help: str) -> Any:
+    """A map key (default empty) whose own keys, or values, are one of `keys` / `values` where given;
+    `checks.check_mappings` checks every such key; `help`: its one-line description."""
+    return field(default_factory=dict, metadata={"mapping": {"keys": keys, "values": values}, "help": help})

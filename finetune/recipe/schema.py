@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from finetune.recipe.batch_modes import MODES
+from finetune.recipe.data_schema import DataConfig
 from finetune.recipe.fields import RecipeError, number, one_of, section, setting
 
 
@@ -56,55 +57,6 @@ class ModelConfig:
     # (random init, cached once). Empty: a VLM name_or_path (hub id or folder) is used as it is.
     vision_config: dict[str, Any] = setting(
         {}, help="SiglipVisionConfig fields: assemble a LLaVA from this language model and a new vision tower"
-    )
-
-
-@dataclass
-class MixtureSource:
-    """One source of data.mixture, read with the data.* keys except those it sets itself."""
-
-    source: str = setting(MISSING, help="as data.source")
-    weight: float = setting(1.0, help="its share of the training rows: weight / the sum of the weights")
-    name: str | None = setting(
-        None, help="in the data line and eval_<name>_loss; default: the file's stem (or the source)"
-    )
-    format: str | None = setting(None, help="default: data.format")
-    loss_on: str | None = setting(None, help="default: data.loss_on")
-    split: str | None = setting(None, help="a hub dataset's split; default: data.split")
-
-
-@dataclass
-class DataConfig:
-    """The training rows: where they come from, how they are tokenized, labeled and batched."""
-
-    source: str = setting(
-        "stdlib_docs", help="stdlib_docs | shapes_captions | a jsonl/json/parquet/csv file or folder | a hub id"
-    )
-    split: str = setting("train", help="the split of a hub dataset")
-    format: str = one_of(
-        "auto", "messages", "prompt_completion", "text", help="the rows' columns; auto: detected from the rows"
-    )
-    max_length: int = number(1024, min=1, help="tokens per row at most (see data.truncation)")
-    truncation: str = one_of(
-        "right", "drop", "error", help="a row over data.max_length: cut at the end, dropped (counted), or an error"
-    )
-    loss_on: str = one_of(
-        "assistant", "completion", "all", help="tokens trained on: every assistant turn, the last one, or all tokens"
-    )
-    on_bad_row: str = one_of("error", "skip", help="a malformed row: an error naming it, or skipped and counted")
-    limit: int | None = number(None, min=1, help="keep the first N rows (quick runs)")
-    batching: str = one_of(*MODES, help="how rows become micro-batches (finetune/recipe/batch_modes.py)")
-    max_tokens_per_micro_batch: int | None = number(
-        None, min=1, help="token budget per micro-batch: token_budget, or packed by tokens"
-    )
-    num_workers: int = number(0, min=0, help="DataLoader worker processes")
-    streaming: bool = setting(False, help="read, tokenize and label rows as training goes (data larger than memory)")
-    chat_template: str | None = setting(
-        None, help="chatml (built in) or a Jinja file: replaces the tokenizer's chat template"
-    )
-    # several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, name, format, …}]
-    mixture: list[MixtureSource] = setting(
-        [], help="several sources drawn at chosen shares (seeded) instead of data.source: [{source, weight, …}]"
     )
 
 
@@ -271,7 +223,16 @@ class Config:
     recipe: str | None = setting(None, help="the YAML file this config came from (set by recipe=)")
 
 
-OPEN_DICTS = ("model.config_overrides", "model.vision_config", "optim.lr_multipliers", "eval.sets")
+# maps whose keys the user names (the data.* maps: checked by checks.check_mappings)
+OPEN_DICTS = (  # maps whose keys the user names (the data.* maps: checked by checks.check_mappings)
+    "model.config_overrides",
+    "model.vision_config",
+    "optim.lr_multipliers",
+    "eval.sets",
+    "data.columns",
+    "data.roles",
+    "data.message_keys",
+)
 
 
 def _choices(section: type, prefix: str = "") -> dict[str, tuple[str, ...]]:

@@ -14,8 +14,9 @@ from typing import Any
 from omegaconf import MISSING
 
 from finetune.recipe.bounds import bounds_text
+from finetune.recipe.data_schema import MixtureSource
 from finetune.recipe.fields import RecipeError
-from finetune.recipe.schema import Config, MixtureSource
+from finetune.recipe.schema import Config
 
 HELP_FLAGS = ("--help", "-h")
 
