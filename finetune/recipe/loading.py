@@ -239,4 +239,8 @@ def load_config(argv: list[str]) -> Config:
 
 
 def to_yaml(config: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The recipe as YAML that load_config reads back to the same Config (recipe.yaml of a run, --dry-run)."""
+    tree = OmegaConf.to_container(OmegaConf.structured(config))
+    if not config.model.lora.enabled:  # its other keys are not in effect, and given without enabled they are refused
+        tree["model"]["lora"] = {"enabled": False}
+    return OmegaConf.to_yaml(tree)
