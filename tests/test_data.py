@@ -74,9 +74,14 @@ def test_prompt_completion_and_text_formats(tok, tmp_path):
 
     ds, report = load(tok, write_jsonl(tmp_path / "t.jsonl", [{"text": "def f(x):\n    return x"}]), loss_on="all")
     assert report.format == "text"
-    assert ds[0]["input_ids"] == tok("def f(x):\n    return x")["input_ids"] == ds[0]["labels"]
+    # a text row ends with the tokenizer's EOS, trained on, so the model learns to stop (data.text_eos)
+    written = tok("def f(x):\n    return x")["input_ids"]
+    assert tok.eos_token_id is not None and written[-1] != tok.eos_token_id
+    assert ds[0]["input_ids"] == written + [tok.eos_token_id] == ds[0]["labels"]
     ds, _ = load(tok, tmp_path / "t.jsonl", format="text")  # loss_on does not apply to plain text
     assert ds[0]["labels"] == ds[0]["input_ids"]
+    ds, _ = load(tok, tmp_path / "t.jsonl", text_eos=False)  # the row as written
+    assert ds[0]["input_ids"] == written == ds[0]["labels"]
 
 
 def test_explicit_format_and_missing_columns_name_what_was_found(tok, tmp_path):
@@ -119,9 +124,12 @@ def test_rows_without_targets_are_dropped_and_counted(tok, tmp_path):
     ds, report = load(tok, path, max_length=prefix_len + 1)
     assert len(ds) == 1 and report.truncated == 2 and report.dropped_no_supervised_tokens == 1
     assert labelled(tok, ds[0]) == "The"
-    # a one-token text row has no target after the shift
-    ds, report = load(tok, write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}, {"text": "a b c"}]))
+    # a one-token text row has no target after the shift (as written); with its EOS the EOS is its target
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}, {"text": "a b c"}])
+    ds, report = load(tok, path, text_eos=False)
     assert len(tok("a")["input_ids"]) == 1 and len(ds) == 1 and report.dropped_no_supervised_tokens == 1
+    ds, report = load(tok, path)
+    assert len(ds) == 2 and ds[0]["labels"] == tok("a")["input_ids"] + [tok.eos_token_id]
 
 
 # ---- bad rows and sources ----

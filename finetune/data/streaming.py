@@ -36,7 +36,7 @@ from finetune.data.sources import (
     read_error,
     reject_row,
 )
-from finetune.data.text import blank_tokens, char_limit, fit_row, row_labels, row_strings
+from finetune.data.text import blank_tokens, char_limit, fit_row, row_labels, row_strings, text_eos
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -146,7 +146,7 @@ class StreamingSFT(torch.utils.data.IterableDataset):
             try:
                 strings, cut = row_strings(fmt, record, self.tokenizer, data, max_chars)
                 encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
-                ids, labels = row_labels(fmt, data.loss_on, encoded, blank)
+                ids, labels = row_labels(fmt, data.loss_on, encoded, blank, text_eos(data, self.tokenizer))
             except BadRow as e:
                 reject_row(data, report, where, str(e))
                 continue

@@ -198,8 +198,14 @@ def row_strings(
     return strings, cut is not None
 
 
-def row_labels(fmt: str, loss_on: str, encoded: list[list[int]], blank) -> tuple[list[int], list[int]]:
+def row_labels(
+    fmt: str, loss_on: str, encoded: list[list[int]], blank, eos: int | None = None
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one row from its tokenized strings (row_strings); a text row ends with `eos` where
+    given (data.text_eos) and the tokenizer did not add it."""
     ids = list(encoded[0])
+    if fmt == "text" and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
     if fmt == "text" or loss_on == "all":
         return ids, list(ids)
     turns = (len(encoded) - 1) // 2
@@ -228,6 +234,11 @@ def fit_row(data: DataConfig, report: DataReport, where: str, ids: list[int], la
     report.tokens += len(ids)
     report.target_tokens += targets
     return ids, labels
+
+
+def text_eos(data: DataConfig, tokenizer) -> int | None:
+    """The token a text row ends with: the tokenizer's EOS under data.text_eos (None: the row as written)."""
+    return tokenizer.eos_token_id if data.text_eos else None
 
 
 def blank_tokens(tokenizer):
@@ -266,7 +277,7 @@ def load_sft_dataset(
     columns: dict[str, list] = {"input_ids": [], "labels": []}
     for where, at, n, cut in rows:
         try:
-            ids, labels = row_labels(fmt, data.loss_on, encoded[at : at + n], blank)
+            ids, labels = row_labels(fmt, data.loss_on, encoded[at : at + n], blank, text_eos(data, tokenizer))
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue

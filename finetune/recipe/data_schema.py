@@ -88,6 +88,9 @@ class DataConfig:
     )
     num_workers: int = number(0, min=0, help="DataLoader worker processes")
     streaming: bool = setting(False, help="read, tokenize and label rows as training goes (data larger than memory)")
+    text_eos: bool = setting(
+        True, help="text rows end with the tokenizer's EOS token (trained on, so the model learns to stop)"
+    )
     chat_template: str | None = setting(
         None, help="chatml (built in) or a Jinja file: replaces the tokenizer's chat template"
     )
