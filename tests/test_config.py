@@ -63,6 +63,7 @@ def test_token_budgets_state_the_global_batch_in_tokens():
 
 BAD = [
     (["recipe=recipes/nope.yaml"], "recipe file 'recipes/nope.yaml' not found"),
+    (["recipe=quikstart"], "or a built-in recipe: bench, debug, quickstart, vlm, vlm_seed"),
     ([f"recipe={DEBUG}", "train.micro_bach_size=2"], "did you mean 'train.micro_batch_size'"),
     ([f"recipe={DEBUG}", "optim.lr=fast"], "optim.lr='fast' is not a valid number"),
     (
@@ -72,6 +73,16 @@ BAD = [
     ([f"recipe={DEBUG}", "train.precision=bf15"], "did you mean 'bf16'"),
     ([f"recipe={DEBUG}", "lr=1e-5"], "unknown key 'lr'; in a recipe this is optim.lr"),
     ([f"recipe={DEBUG}", "train.lerning_rate=1e-5"], "unknown key 'train.lerning_rate'; in a recipe this is optim.lr"),
+    # names from TRL, axolotl, LLaMA-Factory and TrainingArguments: where the setting lives, or what is done instead
+    (
+        [f"recipe={DEBUG}", "train.warmup_steps=3"],
+        "unknown key 'train.warmup_steps'; in a recipe this is schedule.warm",
+    ),
+    ([f"recipe={DEBUG}", "data.cutoff_len=512"], "unknown key 'data.cutoff_len'; in a recipe this is data.max_length"),
+    ([f"recipe={DEBUG}", "train.push_to_hub=true"], "a run does not upload; upload train.output_dir afterwards"),
+    ([f"recipe={DEBUG}", "train.deepspeed=ds.json"], "DeepSpeed is chosen at launch: accelerate launch --config_file"),
+    # a far guess misleads (push_to_hub was answered with train.epochs): none is offered
+    ([f"recipe={DEBUG}", "train.quux=1"], "unknown key 'train.quux'; --help lists the keys"),
     (["train.max_steps=3"], "model.name_or_path must be set"),
     ([f"recipe={DEBUG}", "optim.lr_scaling=linear"], "needs optim.base_batch_size"),
     ([f"recipe={DEBUG}", "max_steps"], "is not key=value"),

@@ -34,38 +34,78 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-# transformers.TrainingArguments names people bring along, and where that setting lives in a recipe
+# Names people bring from transformers.TrainingArguments, TRL, axolotl and LLaMA-Factory: where that setting lives in
+# a recipe, or what this project does instead
 TRAINER_NAMES = {
     "learning_rate": "optim.lr",
     "lr": "optim.lr",
     "per_device_train_batch_size": "train.micro_batch_size",
+    "per_device_eval_batch_size": "eval.micro_batch_size",
     "gradient_accumulation_steps": "train.global_batch_size (accumulation is derived from it)",
     "num_train_epochs": "train.epochs",
+    "num_epochs": "train.epochs",
     "lr_scheduler_type": "schedule.name",
+    "lr_scheduler": "schedule.name",
+    "warmup_steps": "schedule.warmup_steps",
+    "warmup_ratio": "schedule.warmup_ratio",
+    "weight_decay": "optim.weight_decay",
     "optim": "optim.name",
+    "optimizer": "optim.name",
     "bf16": "train.precision",
     "fp16": "train.precision",
     "batch_size": "train.global_batch_size",
     "model_name_or_path": "model.name_or_path",
+    "base_model": "model.name_or_path",
     "report_to": "log.wandb_mode",
     "logging_steps": "log.every_steps",
     "resume_from_checkpoint": "train.resume_from",
     "dataset": "data.source",
+    "datasets": "data.source (several: data.mixture)",
     "max_seq_length": "data.max_length",
+    "sequence_len": "data.max_length",
+    "cutoff_len": "data.max_length",
+    "template": "data.chat_template",
+    "packing": "data.batching=packed",
+    "sample_packing": "data.batching=packed",
+    "eval_steps": "eval.every_steps",
+    "eval_strategy": "eval.every_steps",
+    "evaluation_strategy": "eval.every_steps",
+    "load_best_model_at_end": "eval.best_checkpoint",
+    "val_set_size": "eval.fraction",
+    "lora_r": "model.lora.r",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
+    "lora_target": "model.lora.target_modules",
+    "adapter": "model.lora.enabled",
+    "finetuning_type": "model.lora.enabled",
+}
+# ...and those that are not a recipe key at all
+NOT_RECIPE_KEYS = {
+    "push_to_hub": "a run does not upload; upload train.output_dir afterwards (huggingface-cli upload)",
+    "hub_model_id": "a run does not upload; upload train.output_dir afterwards (huggingface-cli upload)",
+    "deepspeed": "DeepSpeed is chosen at launch: accelerate launch --config_file accelerate_configs/zero2.yaml "
+    "(or zero3.yaml)",
+    "fsdp": "FSDP is chosen at launch: accelerate launch --config_file accelerate_configs/fsdp2.yaml",
+    "local_rank": "ranks come from the launcher (accelerate launch, torchrun)",
 }
 
 
 def _unknown_key_error(key: str, where: str, schema: DictConfig) -> RecipeError:
+    """One line for a key the schema does not have: the recipe key a well-known name means, a key spelt closely
+    (only close ones: a far guess misleads), or where the keys are listed."""
     leaf = key.rsplit(".", 1)[-1]
+    if leaf in NOT_RECIPE_KEYS:
+        return RecipeError(f"{where}: unknown key '{key}'; {NOT_RECIPE_KEYS[leaf]}")
     trainer_name = difflib.get_close_matches(leaf, list(TRAINER_NAMES), n=1, cutoff=0.85)
     if trainer_name:
         return RecipeError(f"{where}: unknown key '{key}'; in a recipe this is {TRAINER_NAMES[trainer_name[0]]}")
     known = _all_keys(schema)
-    guess = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    guess = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     if not guess:  # a typo in the leaf only: compare with the leaves
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
-        guess = [by_leaf[g] for g in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)]
-    hint = f"; did you mean '{guess[0]}'?" if guess else "; see finetune/recipe/schema.py for the keys"
+        guess = [by_leaf[g] for g in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)]
+    hint = f"; did you mean '{guess[0]}'?" if guess else "; --help lists the keys"
     return RecipeError(f"{where}: unknown key '{key}'{hint}")
 
 
@@ -125,7 +165,10 @@ def recipe_file(name: str) -> Path:
         for candidate in (BUILT_IN_RECIPES / name, BUILT_IN_RECIPES / f"{name}.yaml"):
             if candidate.is_file():
                 return candidate
-    raise RecipeError(f"recipe file '{name}' not found; pass recipe=PATH to an existing YAML file (see recipes/)")
+    built_in = ", ".join(sorted(p.stem for p in BUILT_IN_RECIPES.glob("*.yaml")))
+    raise RecipeError(
+        f"recipe file '{name}' not found; pass recipe=PATH to an existing YAML file, or a built-in recipe: {built_in}"
+    )
 
 
 def _read_recipe(file: Path) -> dict:

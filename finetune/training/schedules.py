@@ -193,4 +193,4 @@ def startup_line(cfg: Config, ranks: int, accumulation: int, total_steps: int) -
         global_batch,
         unit,
     )
-    return f"{line}; {total_steps} optimizer steps"
+    return f"{line}; {total_steps} optimizer step{'s' if total_steps != 1 else ''}"
