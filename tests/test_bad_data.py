@@ -48,38 +48,38 @@ ROWS = [
     (
         "role misspelt",
         turns(("user", "q"), ("assitant", "a")),
-        r"messages\[2\]\.role='assitant' is not a chat role \(system, user, assistant\); did you mean 'assistant'\?",
+        r"messages\[1\]\.role='assitant' is not a chat role \(system, user, assistant\); did you mean 'assistant'\?",
     ),
-    ("role unknown", turns(("user", "q"), ("bot", "a")), r"messages\[2\]\.role='bot' is not a chat role"),
+    ("role unknown", turns(("user", "q"), ("bot", "a")), r"messages\[1\]\.role='bot' is not a chat role"),
     (
         "tool role, template without tools",
         turns(("user", "q"), ("tool", "r"), ("assistant", "a")),
-        r"messages\[2\]\.role='tool' is not a chat role",
+        r"messages\[1\]\.role='tool' is not a chat role",
     ),
     (
         "two user turns",
         turns(("user", "q"), ("user", "q2"), ("assistant", "a")),
-        r"messages\[2\] is a second user turn in a row; turns alternate user, assistant, user, … \(merge the two\)",
+        r"messages\[1\] is a second user turn in a row; turns alternate user, assistant, user, … \(merge the two\)",
     ),
     (
         "two assistant turns",
         turns(("user", "q"), ("assistant", "a"), ("assistant", "b")),
-        r"messages\[3\] is a second assistant turn in a row",
+        r"messages\[2\] is a second assistant turn in a row",
     ),
     (
         "assistant first",
         turns(("assistant", "a"), ("user", "q"), ("assistant", "b")),
-        r"messages\[1\] is an assistant turn before any user turn; a conversation starts with a user turn",
+        r"messages\[0\] is an assistant turn before any user turn; a conversation starts with a user turn",
     ),
     (
         "assistant after system",
         turns(("system", "s"), ("assistant", "a")),
-        r"messages\[2\] is an assistant turn before",
+        r"messages\[1\] is an assistant turn before",
     ),
     (
         "system in the middle",
         turns(("user", "q"), ("system", "s"), ("assistant", "a")),
-        r"messages\[2\] is a system turn after the first turn; a system turn can only come first",
+        r"messages\[1\] is a system turn after the first turn; a system turn can only come first",
     ),
     (
         "a key twice",
@@ -95,12 +95,12 @@ ROWS = [
     (
         "lone surrogate in content",
         '{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "c"}]}',
-        r"messages\[1\]\.content holds a lone surrogate \('\\ud800' at character 2\), which is not text",
+        r"messages\[0\]\.content holds a lone surrogate \('\\ud800' at character 2\), which is not text",
     ),
     (
         "lone surrogate in a role",
         '{"messages": [{"role": "us\\udc80er", "content": "a"}, {"role": "assistant", "content": "c"}]}',
-        r"messages\[1\]\.role holds a lone surrogate",
+        r"messages\[0\]\.role holds a lone surrogate",
     ),
 ]
 
@@ -119,12 +119,12 @@ def test_prompt_completion_rows_are_checked_as_one_conversation(tok, tmp_path):
     rows = [{"prompt": "q?", "completion": "a."}, {"prompt": [{"role": "usr", "content": "q"}], "completion": "a"}]
     with pytest.raises(
         RecipeError,
-        match=r"d\.jsonl line 2: prompt \+ completion\[1\]\.role='usr' is not a chat "
+        match=r"d\.jsonl line 2: prompt \+ completion\[0\]\.role='usr' is not a chat "
         r"role .*did you mean 'user'\?",
     ):
         load(tok, write_jsonl(tmp_path / "d.jsonl", rows))
     rows[1] = {"prompt": "q?", "completion": [{"role": "user", "content": "more?"}]}
-    with pytest.raises(RecipeError, match=r"line 2: prompt \+ completion\[2\] is a second user turn in a row"):
+    with pytest.raises(RecipeError, match=r"line 2: prompt \+ completion\[1\] is a second user turn in a row"):
         load(tok, write_jsonl(tmp_path / "d.jsonl", rows))
 
 
@@ -146,7 +146,7 @@ def test_tool_turns_are_checked_where_the_template_names_the_tool_role(tok, tmp_
         chat_roles(tools),
         "messages",
     )
-    with pytest.raises(Exception, match=r"messages\[2\] is a tool turn after a user turn"):
+    with pytest.raises(Exception, match=r"messages\[1\] is a tool turn after a user turn"):
         check_turns(turns(("user", "q"), ("tool", "42"), ("assistant", "a"))["messages"], chat_roles(tools), "messages")
 
 
@@ -284,7 +284,7 @@ def test_a_bad_row_read_by_a_dataloader_worker_is_one_line(tmp_path):
         (
             "role typo",
             lambda t: write_jsonl(t / "d.jsonl", [*GOOD, turns(("user", "q"), ("assitant", "a"))]),
-            r"d\.jsonl line 5: messages\[2\]\.role='assitant' is not a chat role",
+            r"d\.jsonl line 5: messages\[1\]\.role='assitant' is not a chat role",
         ),
         (
             "dangling link",

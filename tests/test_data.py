@@ -147,7 +147,7 @@ def test_malformed_json_line_names_file_and_line_or_is_skipped(tok, tmp_path):
 
 def test_empty_content_is_a_bad_row(tok, tmp_path):
     path = write_jsonl(tmp_path / "e.jsonl", [chat("a?", "A."), chat("b?", "  "), {"text": ""}])
-    with pytest.raises(RecipeError, match=r"e.jsonl line 2: messages\[2\].content is empty"):
+    with pytest.raises(RecipeError, match=r"e.jsonl line 2: messages\[1\].content is empty"):
         load(tok, path)
     ds, report = load(tok, path, on_bad_row="skip")
     assert len(ds) == 1 and report.bad_rows_skipped == 2

@@ -201,24 +201,24 @@ GOOD_ALPACA = {"instruction": "q", "output": "a"}
         (
             {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
             {},
-            r"conversations\[2\]\.from='bot' is not a ShareGPT role \(human, .*\); "
+            r"conversations\[1\]\.from='bot' is not a ShareGPT role \(human, .*\); "
             r"data\.roles=\{bot: assistant\} maps it",
         ),
         (
             {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
             {},
-            r"conversations\[1\] has no 'from' \(it has: role, content\); "
+            r"conversations\[0\] has no 'from' \(it has: role, content\); "
             r"data\.message_keys=\{role: KEY, content: KEY\}",
         ),
         (
             {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
             {},
-            r"conversations\[2\]\.value is empty",
+            r"conversations\[1\]\.value is empty",
         ),
         (
             {"system": "s", "conversations": [{"from": "system", "value": "s"}, *GOOD_SHAREGPT["conversations"]]},
             {},
-            r"a system column and a system turn \(conversations\[1\]\); keep one",
+            r"a system column and a system turn \(conversations\[0\]\); keep one",
         ),
         (
             {"instruction": "q", "response": "a"},
@@ -228,7 +228,7 @@ GOOD_ALPACA = {"instruction": "q", "output": "a"}
         (
             {"instruction": "q", "output": "a", "history": [["only an instruction"]]},
             {},
-            r"history\[1\] is not an \[instruction, output\] pair",
+            r"history\[0\] is not an \[instruction, output\] pair",
         ),
         (
             {"instruction": "q", "input": 3, "output": "a"},
@@ -238,7 +238,7 @@ GOOD_ALPACA = {"instruction": "q", "output": "a"}
         (
             messages(("user", "q"), ("bot", "a")),
             {},
-            r"messages\[2\]\.role='bot' is not a chat role \(system, user, assistant\); data\.roles=\{bot: ROLE\}",
+            r"messages\[1\]\.role='bot' is not a chat role \(system, user, assistant\); data\.roles=\{bot: ROLE\}",
         ),
         (
             {"question": "q"},

@@ -134,7 +134,7 @@ def as_read(fmt: str, record: Any, data: DataConfig) -> Any:
     if fmt == "sharegpt":
         system = _system_column(record)
         if system and messages[0]["role"] == "system":
-            raise BadRow("a system column and a system turn (conversations[1]); keep one of them")
+            raise BadRow("a system column and a system turn (conversations[0]); keep one of them")
         messages = system + messages
     return {"messages": messages}
 
@@ -149,7 +149,7 @@ def conversation(value: Any, fmt: str, data: DataConfig) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(f"{what} is not a non-empty list of messages")
     out = []
-    for k, message in enumerate(value, 1):
+    for k, message in enumerate(value):
         shape = f"{{{role_key}, {content_key}}}"
         if not isinstance(message, dict):
             raise BadRow(f"{what}[{k}] is {type(message).__name__}, not a {shape} message")
@@ -185,7 +185,7 @@ def alpaca_messages(record: dict) -> list[dict]:
     if not isinstance(history, list):
         raise BadRow(f"history is {type(history).__name__}, not a list of [instruction, output] pairs")
     messages = _system_column(record)
-    for k, pair in enumerate(history, 1):
+    for k, pair in enumerate(history):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise BadRow(f"history[{k}] is not an [instruction, output] pair (a list of two strings)")
         messages += [

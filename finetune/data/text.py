@@ -54,7 +54,7 @@ def check_turns(messages: list[dict], roles: tuple[str, ...], what: str, remap: 
     turn; a tool result follows an assistant turn (or another result) and is answered by the assistant. `remap`: an
     unknown role's message names data.roles (text rows read through formats.py)."""
     previous = None
-    for k, message in enumerate(messages, 1):
+    for k, message in enumerate(messages):
         role = message["role"]
         if role not in roles:
             guess = difflib.get_close_matches(role, roles, n=1)
@@ -90,7 +90,7 @@ def _messages(value: Any, what: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(f"{what} is not a non-empty list of messages")
     out = []
-    for k, message in enumerate(value, 1):
+    for k, message in enumerate(value):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise BadRow(f"{what}[{k}] is not a {{role, content}} message")
         message = {key: v for key, v in message.items() if v is not None}  # parquet fills absent struct fields

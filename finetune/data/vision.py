@@ -53,7 +53,7 @@ def _parts(content: Any, what: str) -> list[dict]:
     if not isinstance(content, list) or not content:
         raise BadRow(f"{what} is neither a string nor a non-empty list of parts")
     parts = []
-    for k, part in enumerate(content, 1):
+    for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image":
             parts.append({"type": "image"})
@@ -75,7 +75,7 @@ def parse_vision_row(record: Any, image_token: str) -> tuple[list[dict], list[An
     if not isinstance(messages, list) or not messages:
         raise BadRow("messages is not a non-empty list of messages")
     out = []
-    for k, m in enumerate(messages, 1):
+    for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise BadRow(f"messages[{k}] is not a {{role, content}} message")
         out.append({"role": m["role"], "content": _parts(m["content"], f"messages[{k}].content")})
