@@ -6,6 +6,7 @@ where the behaviour is the CLI's (a DataLoader worker, the memory of a huge row)
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,8 +112,9 @@ def test_a_row_that_would_train_on_something_else_is_named(name, row, message, t
     for read in (load, streamed):
         with pytest.raises(RecipeError, match=rf"d\.jsonl line 5: {message}"):
             read(tok, path)
-    ds, report = load(tok, path, on_bad_row="skip")  # data.on_bad_row=skip counts it instead
+    ds, report = load(tok, path, on_bad_row="skip")  # data.on_bad_row=skip counts it instead, and names it
     assert report.bad_rows_skipped == 1 and len(ds) == len(GOOD)
+    assert re.search(rf"1 bad skipped; skipped: \S*d\.jsonl line 5: {message}", report.summary())
 
 
 def test_prompt_completion_rows_are_checked_as_one_conversation(tok, tmp_path):

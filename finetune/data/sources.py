@@ -40,6 +40,7 @@ class DataReport:
     dropped_over_length: int = 0
     dropped_no_supervised_tokens: int = 0
     bad_rows_skipped: int = 0
+    first_skipped: list[str] = field(default_factory=list)  # where and why of the first skipped bad rows
     tokens: int = 0  # input tokens over the kept rows
     target_tokens: int = 0  # supervised targets after the causal shift
     streamed: bool = False  # data.streaming: rows are read as training goes, counts unknown at start
@@ -55,6 +56,9 @@ class DataReport:
             (self.bad_rows_skipped, "bad skipped"),
         ]
         extra = "".join(f", {n:,} {what}" for n, what in counts if n)
+        if self.first_skipped:  # which rows, so a skip is never silent
+            more = ", …" if self.bad_rows_skipped > len(self.first_skipped) else ""
+            extra += f"; skipped: {'; '.join(self.first_skipped)}{more}"
         if self.skipped_files:  # said, never skipped in silence
             names = ", ".join(self.skipped_files[:3]) + (", …" if len(self.skipped_files) > 3 else "")
             extra += f"; {len(self.skipped_files)} other file(s) in the folder not read ({names})"
@@ -73,6 +77,8 @@ def reject_row(data: DataConfig, report: DataReport, where: str, why: str) -> No
     if data.on_bad_row == "error":
         raise RecipeError(f"{where}: {why} (data.on_bad_row=skip skips such rows)")
     report.bad_rows_skipped += 1
+    if len(report.first_skipped) < 3:
+        report.first_skipped.append(f"{where}: {why}")
 
 
 def _room(data: DataConfig, report: DataReport, available: int) -> int:
