@@ -627,3 +627,23 @@ def test_a_resumed_run_reports_the_whole_runs_train_loss_and_no_missing_tied_hea
     assert re.search(rf"train loss +{train_loss(four_steps):.4f} \(mean over all 4 steps\)", table), table
     if start == 2:
         assert re.search(r"real tokens +[\d,]+ \([\d,]+ targets\) in this process \(steps 3-4\)", table), table
+
+
+def test_a_stop_before_the_first_step_names_no_checkpoint_that_does_not_exist(tmp_path):
+    """SIGTERM during the evaluation before step 1: nothing was trained or saved; the message says so, and a stop
+    after a step names the checkpoint that step wrote."""
+    from types import SimpleNamespace
+
+    from finetune.training.lifecycle import StopRequest, stopped_message
+
+    stop = StopRequest()
+    stop.signal_name = "SIGTERM"
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=0, max_steps=4), args=SimpleNamespace(output_dir=str(tmp_path))
+    )
+    text = stopped_message(stop, trainer, ["recipe=debug"])
+    assert "before optimizer step 1 of 4; nothing trained, no checkpoint written" in text
+    assert "checkpoint-0" not in text and "train.resume_from=auto" in text
+    (tmp_path / "checkpoint-2").mkdir()
+    trainer.state.global_step = 2
+    assert f"after optimizer step 2 of 4; checkpoint: {tmp_path / 'checkpoint-2'}" in stopped_message(stop, trainer, [])

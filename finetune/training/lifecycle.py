@@ -203,9 +203,15 @@ class StopDuringEvaluation(TrainerCallback):
 
 def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:
     step = trainer.state.global_step
+    checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+    if not os.path.isdir(checkpoint):  # stopped before a step was trained (the evaluation before step 1): none
+        return (
+            f"stopped by {stop.signal_name} before optimizer step 1 of {trainer.state.max_steps}; nothing trained, "
+            f"no checkpoint written\nstart again with: {resume_command(argv)}"
+        )
     return (
         f"stopped by {stop.signal_name} after optimizer step {step} of {trainer.state.max_steps}; checkpoint: "
-        f"{os.path.join(trainer.args.output_dir, f'checkpoint-{step}')}\nresume with: {resume_command(argv)}"
+        f"{checkpoint}\nresume with: {resume_command(argv)}"
     )
 
 
