@@ -201,3 +201,14 @@ def test_fsdp2_sharded_parameters_get_full_tensor_trust_ratios(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     errors = json.loads(result.read_text())
     assert errors["lamb"] < 1e-6 and errors["lars"] < 1e-6, errors
+
+
+def test_the_groups_at_the_recipes_own_lr_come_first_so_the_logged_lr_is_the_recipes():
+    """Trainer logs param_groups[0]'s LR as learning_rate: with a 10x head, that group must not be first."""
+    from finetune.training.optim import param_groups
+
+    model = Net()
+    first_param = next(n for n, _ in model.named_parameters()).split(".")[0]  # the first module in model order
+    groups = param_groups(model, OptimConfig(lr_multipliers={first_param: 10.0}), 1e-3)
+    assert [g["lr"] for g in groups][0] == 1e-3 and 1e-2 in [g["lr"] for g in groups]
+    assert any(n.startswith(first_param) for g in groups if g["lr"] == 1e-2 for n in g["names"])

@@ -71,7 +71,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig, lr: float) -> list[dict]:
         )
     if not groups:
         raise RecipeError("the model has no trainable parameters; check model.freeze and model.lora")
-    return list(groups.values())
+    # the groups at the recipe's own LR first: the Trainer logs the first group's LR as the run's learning_rate
+    return sorted(groups.values(), key=lambda group: group["lr"] != lr)
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
