@@ -84,10 +84,12 @@ def launch(config: Path, args: list[str], log: Path) -> tuple[int, float, str]:
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
     start = time.perf_counter()
+    print(f"sharded_check: launching {log.stem} (its output: {log})", flush=True)  # a caller's timeout keeps this
     with log.open("w") as out:
         rc = subprocess.run(
             [*cmd, "finetune/train.py", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
         ).returncode
+    print(f"sharded_check: {log.stem} exited {rc} after {time.perf_counter() - start:.0f} s", flush=True)
     return rc, time.perf_counter() - start, log.read_text()
 
 
