@@ -122,18 +122,21 @@ def test_recipe_errors_are_the_same_as_training(args):
 
 
 def test_a_step_is_judged_against_its_floor_unless_a_tolerance_is_given():
-    """fp32: 3e-5 passes where the run's own arithmetic is 5e-6 off float64 (a real model's LoRA step), fails where it
-    is 1e-6 off; the fixed tolerance stays the least; verify.tolerance replaces both."""
+    """fp32: 3e-5 passes where the run's own arithmetic is 3.1e-5 off float64 (quickstart's LoRA step), fails where
+    it is 1e-6 off, and 7e-5 fails against 3.1e-5 (over FLOOR_FACTOR × the floor); the fixed tolerance stays the
+    least; verify.tolerance replaces both."""
 
     def step(error, floor):
         return verify.StepCheck(1, 8, 100, error, {"model": (error, 1.0)}, weights=[1.0, 1.0], floor=floor)
 
     fixed = verify.TOLERANCES["fp32"]
-    assert verify.report([step(3e-5, 5e-6)], fixed, None, "fp32", 1)[1] is True
+    assert verify.FLOOR_FACTOR == 2.0
+    assert verify.report([step(3e-5, 3.1e-5)], fixed, None, "fp32", 1)[1] is True
     text, passed = verify.report([step(3e-5, 1e-6)], fixed, None, "fp32", 1)
     assert passed is False and "above tolerance" in text and "(tolerance 1.00e-05)" in text
+    assert verify.report([step(7e-5, 3.1e-5)], fixed, None, "fp32", 1)[1] is False
     assert verify.report([step(9e-6, 0.0)], fixed, None, "fp32", 1)[1] is True
-    assert verify.report([step(3e-5, 5e-6)], fixed, 2e-5, "fp32", 1)[1] is False
+    assert verify.report([step(3e-5, 3.1e-5)], fixed, 2e-5, "fp32", 1)[1] is False
 
 
 def test_verify_arguments_and_tolerances():
