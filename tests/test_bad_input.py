@@ -90,8 +90,8 @@ CASES = [
         "missing recipe",
         lambda t: ["recipe=recipes/nope.yaml"],
         {},
-        r"^error: recipe file 'recipes/nope\.yaml' not found; pass recipe=PATH to an existing YAML file "
-        r"\(see recipes/\)$",
+        r"^error: recipe file 'recipes/nope\.yaml' not found; pass recipe=PATH to an existing YAML file, or a "
+        r"built-in recipe: bench, debug, quickstart, vlm, vlm_seed$",
     ),
     (
         "recipe that is not YAML",
@@ -250,3 +250,22 @@ def test_space_check_on_a_rank_whose_output_dir_is_not_made_yet(tmp_path, monkey
     monkeypatch.setattr(lifecycle.shutil, "disk_usage", lambda path: usage)
     with pytest.raises(RecipeError, match=r"train\.output_dir=\S+/not/yet: 0\.00 GiB free, a checkpoint needs about"):
         lifecycle.check_space(str(tmp_path / "not" / "yet"), model)
+
+
+def test_an_uncached_hub_id_with_the_hub_unreachable_is_one_error_at_once(monkeypatch):
+    """transformers would retry an unreachable hub for about a minute and a half before its error."""
+    import time
+
+    from huggingface_hub import constants
+
+    from finetune.model.loading import check_hub_id
+    from finetune.recipe import RecipeError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    started = time.perf_counter()
+    with pytest.raises(RecipeError, match=r"^model.name_or_path=someone/never-cached: the Hugging Face Hub "):
+        check_hub_id("someone/never-cached")
+    assert time.perf_counter() - started < 10
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline mode reads the cache: transformers says
+    check_hub_id("someone/never-cached")

@@ -228,3 +228,20 @@ def test_stdlib_docs_builds_deterministically_caches_and_spans_lengths(tok, tmp_
     again, _ = load(tok, "stdlib_docs", max_length=1024)  # from the cache
     assert again["input_ids"] == ds["input_ids"] and again["labels"] == ds["labels"]
     assert isinstance(report, DataReport) and report.summary().startswith("stdlib_docs (messages): ")
+
+
+def test_the_chat_templates_default_system_prompt_applies_unless_the_recipe_gives_one(tok, tmp_path):
+    """SmolLM2's template adds its default system prompt to a conversation without one (prompt/completion strings
+    too); data.system_prompt replaces it for such rows, a row's own system turn is kept, and the labels stay."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2?", "completion": "4"}])
+    default = tok.decode(load(tok, path)[0][0]["input_ids"])
+    assert "<|im_start|>system\nYou are a helpful AI assistant named SmolLM" in default
+    ds, _ = load(tok, path, system_prompt="Answer with a number.")
+    text = tok.decode(ds[0]["input_ids"])
+    assert "<|im_start|>system\nAnswer with a number.<|im_end|>" in text and "SmolLM" not in text
+    assert labelled(tok, ds[0]) == "4" + EOT
+    own = {"messages": [{"role": "system", "content": "Be terse."}, *chat("2+2?", "4")["messages"]]}
+    ds, _ = load(tok, write_jsonl(tmp_path / "own.jsonl", [own]), system_prompt="Answer with a number.")
+    assert "Be terse." in tok.decode(ds[0]["input_ids"]) and "Answer with a number." not in tok.decode(
+        ds[0]["input_ids"]
+    )

@@ -184,6 +184,8 @@ def row_strings(
     row, turns = parse_row(form(fmt), as_read(fmt, record, data), loss_on, chat_roles(tokenizer))
     if fmt == "text":
         return [row[:max_chars]], max_chars is not None and len(row) > max_chars
+    if data.system_prompt is not None and row[0]["role"] != "system":  # the recipe's, not the template's default
+        row, turns = [{"role": "system", "content": data.system_prompt}, *row], [i + 1 for i in turns]
     cut = next((i for i, m in enumerate(row) if max_chars is not None and len(m["content"]) > max_chars), None)
     if cut is not None:  # the turns after it would come after data.max_length tokens: cut away before rendering
         row = row[: cut + 1]

@@ -99,6 +99,27 @@ def model_folder(cfg: ModelConfig) -> str:
     return source
 
 
+def check_hub_id(repo_id: str, timeout: float = 3.0) -> None:
+    """A hub id that can be loaded: cached here, or the hub answers. Where neither holds, one error now instead of
+    transformers retrying an unreachable hub for about a minute and a half (HF_HUB_OFFLINE=1 reads the cache only)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError as e:
+        raise RecipeError(
+            f"model.name_or_path={repo_id}: the Hugging Face Hub ({constants.ENDPOINT}) is not reachable "
+            f"({first_line(e)}) and {repo_id} is not in the local cache; download it where the hub is reachable "
+            f"(hf download {repo_id}), or give a local folder"
+        ) from None
+
+
 def check_folder(cfg: ModelConfig, source: str) -> None:
     """A local model folder: there, with a config.json, weights unless model.from_config, and every file whole
     (finetune/model/files.py), so a damaged file is named instead of failing deep inside transformers."""
@@ -109,6 +130,7 @@ def check_folder(cfg: ModelConfig, source: str) -> None:
                 f"model.name_or_path={cfg.name_or_path}: no such folder; check the path, or give a hub "
                 "id or pkg:PACKAGE"
             )
+        check_hub_id(cfg.name_or_path)
         return
     where = f"model.name_or_path={cfg.name_or_path}"
     if not path.is_dir() or not (path / "config.json").is_file():

@@ -88,6 +88,9 @@ class DataConfig:
     )
     num_workers: int = number(0, min=0, help="DataLoader worker processes")
     streaming: bool = setting(False, help="read, tokenize and label rows as training goes (data larger than memory)")
+    system_prompt: str | None = setting(
+        None, help="a system turn for chat rows without one; null: the chat template's own default (if it adds one)"
+    )
     text_eos: bool = setting(
         True, help="text rows end with the tokenizer's EOS token (trained on, so the model learns to stop)"
     )
