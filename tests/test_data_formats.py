@@ -223,7 +223,7 @@ GOOD_ALPACA = {"instruction": "q", "output": "a"}
         (
             {"instruction": "q", "response": "a"},
             {},
-            r"no output \(row has: instruction, response\); data\.columns=\{output: YOUR_COLUMN\} reads it",
+            r"missing output \(row has: instruction, response\); data\.columns=\{output: YOUR_COLUMN\} reads it",
         ),
         (
             {"instruction": "q", "output": "a", "history": [["only an instruction"]]},

@@ -110,6 +110,19 @@ def detect_format(requested: str, records: list[Record], source: str, columns: d
 # ---- each row in the form text.py reads ----
 
 
+def check_columns(fmt: str, record: Any) -> None:
+    """A row of format `fmt` is an object with that format's columns; BadRow names what is missing and the key that
+    reads it from another column."""
+    if not isinstance(record, dict):
+        raise BadRow(f"a row is an object with {' + '.join(FORMAT_COLUMNS[fmt])}, not {type(record).__name__}")
+    missing = [c for c in FORMAT_COLUMNS[fmt] if c not in record]
+    if missing:
+        raise BadRow(
+            f"missing {', '.join(missing)} (row has: {', '.join(record) or 'nothing'}); data.columns="
+            f"{{{missing[0]}: YOUR_COLUMN}} reads it from another column"
+        )
+
+
 def as_read(fmt: str, record: Any, data: DataConfig) -> Any:
     """One row in the form text.py reads (`form(fmt)`): data.columns applied; ShareGPT and Alpaca rows (and messages
     rows under data.roles or data.message_keys) as {"messages": [{role, content}, …]}. BadRow names the field and the
@@ -120,14 +133,7 @@ def as_read(fmt: str, record: Any, data: DataConfig) -> Any:
     convert = fmt in CONVERTED or (fmt == "messages" and (data.roles or data.message_keys))
     if not convert:
         return record  # read as it is: text.parse_row checks it
-    if not isinstance(record, dict):
-        raise BadRow(f"a row is an object with {' + '.join(FORMAT_COLUMNS[fmt])}, not {type(record).__name__}")
-    missing = [c for c in FORMAT_COLUMNS[fmt] if c not in record]
-    if missing:
-        raise BadRow(
-            f"no {missing[0]} (row has: {', '.join(record) or 'nothing'}); data.columns={{{missing[0]}: YOUR_COLUMN}} "
-            "reads it from another column"
-        )
+    check_columns(fmt, record)
     if fmt == "alpaca":
         return {"messages": alpaca_messages(record)}
     messages = conversation(record[MESSAGE_FIELD[fmt]], fmt, data)

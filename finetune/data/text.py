@@ -25,7 +25,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.chat_templates import require_chat_template
-from finetune.data.formats import FORMAT_COLUMNS, as_read, detect_format, form, string_field
+from finetune.data.formats import as_read, check_columns, detect_format, form, string_field
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError, first_line
@@ -102,14 +102,7 @@ def _messages(value: Any, what: str) -> list[dict]:
 
 def parse_row(fmt: str, record: Any, loss_on: str, roles: tuple[str, ...] = CHAT_ROLES) -> tuple[Any, list[int]]:
     """(text, []) for text rows; (messages, indices of the labelled turns) for chat rows, their roles checked."""
-    if not isinstance(record, dict):
-        raise BadRow(f"a row is an object with {' + '.join(FORMAT_COLUMNS[fmt])}, not {type(record).__name__}")
-    missing = [c for c in FORMAT_COLUMNS[fmt] if c not in record]
-    if missing:
-        raise BadRow(
-            f"missing {', '.join(missing)} (row has: {', '.join(record) or 'nothing'}); data.columns="
-            f"{{{missing[0]}: YOUR_COLUMN}} reads it from another column"
-        )
+    check_columns(fmt, record)
     if fmt == "text":
         return string_field(record["text"], "text"), []
     if fmt == "messages":
