@@ -24,6 +24,8 @@ import io
 import json
 import sys
 import tempfile
+import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +42,34 @@ SYNCING_OPS = (
 )
 
 
-def count(recipe_args: list[str], steps: int) -> dict:
+class SyncSites:
+    """Where the syncs come from on CUDA: torch's sync debug mode warns at each synchronizing call once the warm-up
+    step has ended; each warning's Python stack (its last three frames outside torch) is one site, counted."""
+
+    def __init__(self) -> None:
+        self.sites: Counter = Counter()
+        self.active = False
+
+    def start(self) -> None:
+        if torch.cuda.is_available() and not self.active:
+            self.active = True
+            warnings.simplefilter("always")
+            warnings.showwarning = self.record
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        self.sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
+
+    def stop(self) -> dict:
+        if self.active:
+            torch.cuda.set_sync_debug_mode(0)
+        return dict(self.sites.most_common(25))
+
+
+def count(recipe_args: list[str], steps: int, kernels: str | None = None) -> dict:
     from transformers import TrainerCallback
 
     from finetune.assemble import build
@@ -56,9 +85,19 @@ def count(recipe_args: list[str], steps: int) -> dict:
         with contextlib.redirect_stdout(io.StringIO()):
             trainer = build(cfg, evaluate=False)
         with torch.profiler.profile(activities=activities, schedule=schedule) as profiler:
-            stepper = type("ProfilerStep", (TrainerCallback,), {"on_step_end": lambda *_, **__: profiler.step()})
+            sites = SyncSites()
+
+            def on_step_end(*_, **__) -> None:
+                profiler.step()
+                sites.start()
+
+            stepper = type("ProfilerStep", (TrainerCallback,), {"on_step_end": on_step_end})
             trainer.add_callback(stepper())
             trainer.train()
+    where = sites.stop()
+    if kernels and cuda:  # the active steps' device time by op: where the MFU goes
+        table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+        Path(kernels).write_text(table + "\n")
     counts = Counter(e.name for e in profiler.events())
     cuda_calls = {name: counts[name] for name in CUDA_SYNCS if counts[name]}
     ops = {name: counts[name] for name in SYNCING_OPS if counts[name]}
@@ -76,6 +115,7 @@ def count(recipe_args: list[str], steps: int) -> dict:
         "bound_per_step": bound,
         "within_bound": None if per_step is None else per_step <= bound,
         "recipe": recipe_args,
+        "sync_sites_all_steps": where,
     }
 
 
@@ -83,9 +123,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps counted, after one warm-up step")
     parser.add_argument("--json", help="write the counts here")
+    parser.add_argument("--kernels", help="on CUDA, write the profiled steps' ops by device time here")
     parser.add_argument("recipe", nargs="+", help="recipe=FILE and key=value overrides, as finetune/train.py takes")
     args = parser.parse_args(argv)
-    result = count(args.recipe, args.steps)
+    result = count(args.recipe, args.steps, args.kernels)
     cuda = result["cuda_syncs_per_step"]
     print(
         f"{result['device']}: {result['micro_batches_per_step']} micro-batches per optimizer step, "

@@ -101,6 +101,7 @@ def has_trl() -> bool:
 def host_syncs(s: Sizing) -> Step:
     path = str(s.out / "host_syncs.json")
     command = [PY, "scripts/count_syncs.py", "--steps", "2" if s.smoke else "5", "--json", path]
+    command += ["--kernels", str(s.out / "host_syncs_kernels.txt")]
     command += ["recipe=recipes/debug.yaml", "train.precision=bf16", "data.batching=packed", *s.model_keys]
     return Step("host_syncs", command, 300 if s.smoke else 60, "json", path)
 

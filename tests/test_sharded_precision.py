@@ -192,3 +192,22 @@ def test_resume_shapes_of_a_zero3_partitioned_model_are_the_whole_shapes():
         param.data = torch.empty(0)
     partitioned, _ = _model_shapes(model, adapter=False)
     assert partitioned == whole
+
+
+def test_resume_of_a_zero3_partitioned_tied_model_accepts_its_own_checkpoint(tmp_path):
+    """A tied model saves embed_tokens.weight once (no lm_head.weight); under ZeRO-3 every partition is empty, so the
+    tie is known from the shared Parameter, not from storage (the H200 ZeRO-3 resume was refused as another model)."""
+    from finetune.recipe.fields import RecipeError
+    from finetune.tools.toy import tiny_llama
+    from finetune.training.checkpoints import check_same_model, tied_missing
+
+    model = tiny_llama(tie=True)
+    model.save_pretrained(tmp_path)
+    for param in model.parameters():  # what deepspeed.zero.Init leaves on a rank: empty data, the full ds_shape
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    check_same_model(str(tmp_path), model)
+    assert tied_missing(model, ["lm_head.weight"]) == []
+    untied = tiny_llama(tie=False)
+    with pytest.raises(RecipeError, match=r"not there \(e.g. lm_head.weight\)"):
+        check_same_model(str(tmp_path), untied)

@@ -118,10 +118,9 @@ def _model_shapes(model: torch.nn.Module, adapter: bool) -> tuple[dict[str, tupl
 
         return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}, {}
     state = model.state_dict()
-    groups: dict[tuple, set[str]] = {}
-    for name, tensor in state.items():
-        if tensor.numel():
-            groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), set()).add(name)
+    groups: dict[int, set[str]] = {}  # tied names share one Parameter; ZeRO-3 partitions leave no storage to compare
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(name)
     whole = {name: tuple(p.ds_shape) for name, p in model.named_parameters() if hasattr(p, "ds_shape")}
     return {k: whole.get(k, tuple(v.shape)) for k, v in state.items()}, {n: g for g in groups.values() for n in g}
 
