@@ -51,9 +51,10 @@ def build(
     reporting.configure_wandb(cfg)
 
     folder, vision, tokenizer = load_tokenizer(cfg)
+    inputs = vlm.forward_image_inputs(cfg.model, folder) if vision else None
 
     # data, the eval set and batching, before the model: a bad row fails in seconds
-    batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate)
+    batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate, inputs)
     total_steps = batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
 
     # learning rate and schedule, from the effective batch
@@ -110,9 +111,9 @@ def load_tokenizer(cfg: Config):
     return folder, vision, tokenizer
 
 
-def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool):
+def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool, inputs=None):
     """(the training micro-batches, {name: eval set}, the sample prompts); no eval set ({}) without one or with
-    `evaluate=False`. One unnamed eval set is named ""."""
+    `evaluate=False`. One unnamed eval set is named "". Image rows get `inputs` (finetune/data/image_inputs.py)."""
     data, seed = cfg.data, cfg.train.seed
     load_rows = mixture.load_mixture if data.mixture else heldout.load_training_set
     dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, vision)
@@ -122,13 +123,15 @@ def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool):
         reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {', '.join(ignored)} ignored")
     if evaluate and evaluates(cfg):
         training = None if data.streaming else dataset
-        eval_sets = heldout.load_eval_sets(cfg.eval, data, held, eval_set_names(cfg), training, seed, tokenizer, vision)
+        eval_sets = heldout.load_eval_sets(
+            cfg.eval, data, held, eval_set_names(cfg), training, seed, tokenizer, vision, inputs
+        )
         for eval_set in eval_sets.values():
             reporting.main_print(eval_set.summary)
         prompts = eval_prompts(cfg, next(iter(eval_sets.values())), tokenizer, vision)
     batches = batching.prepare(training_batching(cfg), dataset, tokenizer.tokenizer if vision else tokenizer, seed)
     if vision:  # the image processor's tensors join each text batch
-        batches.collator = VisionCollator(batches.collator, tokenizer)
+        batches.collator = VisionCollator(batches.collator, tokenizer, inputs)
     return batches, eval_sets, prompts
 
 

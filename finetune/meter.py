@@ -65,6 +65,8 @@ def batch_counts(batch: Mapping, kind: str = CAUSAL_LM) -> list[int]:
     mask = batch.get("attention_mask")
     real = int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape else computed
     positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 3:  # [4, B, L] multimodal rope: the text row first
+        positions = positions[0]
     packed = mask is None and isinstance(positions, torch.Tensor)
     sequences = int((positions == 0).sum()) if packed else tokens.shape[0]
     return [label_tokens, real, computed, sequences]

@@ -23,7 +23,7 @@ from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching, DataConfig, RecipeError
 from finetune.tools import verify
 from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import SnapshotCallback, sgd_args, tiny_qwen_vl
+from finetune.tools.toy import SnapshotCallback, sgd_args
 from tests.vlm_models import prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,15 +53,25 @@ class Recording:
         return batch
 
 
+TWO_IMAGES = {
+    "images": [shapes_captions.render(shapes_captions.scene(k)) for k in range(2)],
+    "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
+        {"role": "assistant", "content": "Two pictures."},
+    ],
+}
+
+
 def packed_rows(proc):
-    """Short shapes_captions rows (one image each) and one image-less row, in a fixed order."""
+    """Short shapes_captions rows (one image each), one image-less row and one with two images, in a fixed order."""
     import datasets
 
     shapes, _ = load_vision_dataset(DataConfig(source="shapes_captions", limit=16, batching="packed"), proc)
-    order = sorted(range(len(shapes)), key=lambda k: len(shapes[k]["input_ids"]))[:5]
+    order = sorted(range(len(shapes)), key=lambda k: len(shapes[k]["input_ids"]))[:4]
     chat = {"messages": [{"role": "user", "content": "Name a shape."}, {"role": "assistant", "content": "A circle."}]}
     plain, _ = load_vision_dataset(DataConfig(source="x", batching="packed"), proc, [("text row", chat)])
-    rows = shapes.select(order[:2]).to_list() + plain.to_list() + shapes.select(order[2:]).to_list()
+    two, _ = load_vision_dataset(DataConfig(source="x", batching="packed"), proc, [("two images", TWO_IMAGES)])
+    rows = shapes.select(order[:2]).to_list() + plain.to_list() + two.to_list() + shapes.select(order[2:]).to_list()
     return datasets.Dataset.from_list(rows, features=shapes.features)
 
 
@@ -95,7 +105,7 @@ def test_packed_image_rows_match_the_float64_per_row_reference(proc, attention, 
         assert int((batch["input_ids"] == image_id).sum()) == 4 * len(images) == batch["pixel_values"].shape[0] * 4
         expected = proc.image_processor([open_image(i["bytes"] or i["path"]) for i in images], return_tensors="pt")
         assert torch.equal(batch["pixel_values"], expected["pixel_values"])  # the rows' images, in row order
-    assert [len(r["images"]) for r in collator.batches[0]] == [1, 1, 0]
+    assert [[len(r["images"]) for r in rows] for rows in collator.batches] == [[1, 1, 0], [2, 1, 1]]
 
     def forward(model, seq):
         pixels = {}
@@ -120,18 +130,9 @@ def test_packed_image_rows_match_the_float64_per_row_reference(proc, attention, 
         assert max(errors) <= 1e-5
 
 
-def test_several_images_in_a_packed_row_and_an_image_past_max_length_name_the_row(proc, tmp_path):
-    two = {
-        "images": [shapes_captions.render(shapes_captions.scene(k)) for k in range(2)],
-        "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
-            {"role": "assistant", "content": "Two pictures."},
-        ],
-    }
-    records = [("rows.jsonl line 3", two)]
-    with pytest.raises(RecipeError, match=r"^rows\.jsonl line 3: 2 images in one row; data\.batching=packed takes"):
-        load_vision_dataset(DataConfig(source="x", batching="packed"), proc, records)
-    ds, _ = load_vision_dataset(DataConfig(source="x", batching="padded"), proc, records)  # padded rows take them
+def test_an_image_past_max_length_names_the_row(proc, tmp_path):
+    records = [("rows.jsonl line 3", TWO_IMAGES)]
+    ds, _ = load_vision_dataset(DataConfig(source="x", batching="packed"), proc, records)  # packed rows take them
     assert len(ds[0]["images"]) == 2
     one = shapes_captions.row(0)
     with pytest.raises(RecipeError, match=r"^rows\.jsonl line 1: its image tokens end at token \d+, past data\."):
@@ -189,31 +190,40 @@ def one_error_line(args: list[str], tmp_path: Path) -> str:
     return errors[0]
 
 
+def tiny_gemma3():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16
+    )
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = Gemma3Config(
+        text_config={**text, "num_key_value_heads": 1},
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+        image_token_index=299,
+        boi_token_index=297,
+        eoi_token_index=298,
+    )
+    return Gemma3ForConditionalGeneration(config)
+
+
 @pytest.mark.subprocess
 def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
-    qwen = tmp_path / "qwen"
-    tiny_qwen_vl().save_pretrained(qwen)
+    gemma = tmp_path / "gemma3"
+    tiny_gemma3().save_pretrained(gemma)
     line = one_error_line(
-        [f"model.name_or_path={qwen}", "data.source=shapes_captions", "data.batching=packed"], tmp_path
+        [f"model.name_or_path={gemma}", "data.source=shapes_captions", "data.batching=packed"], tmp_path
     )
     assert re.match(
-        r"^error: model\.name_or_path=\S+qwen: data\.batching=packed cannot pack its image rows exactly: it computes "
-        r"its own rotary positions \(mrope.*; set data\.batching=padded \(or token_budget\)$",
+        r"^error: model\.name_or_path=\S+gemma3: data\.batching=packed cannot pack its image rows exactly: part of "
+        r"each sequence attends both ways \(token_type_ids\).*; set data\.batching=token_budget \(.*\) or padded$",
         line,
     ), line
     rows = tmp_path / "rows.jsonl"
-    for k in range(2):
-        shapes_captions.render(shapes_captions.scene(k)).save(tmp_path / f"{k}.png")
-    two = {
-        "images": ["0.png", "1.png"],
-        "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare."}]},
-            {"role": "assistant", "content": "Two pictures."},
-        ],
-    }
-    rows.write_text(json.dumps(two) + "\n")
+    shapes_captions.render(shapes_captions.scene(0)).save(tmp_path / "0.png")
+    one = {"images": ["0.png"], "messages": shapes_captions.row(0)["messages"]}
+    rows.write_text(json.dumps(one) + "\n")
     base = [f"model.name_or_path={tiny_vlm_folder}", f"data.source={rows}"]
-    line = one_error_line([*base, "data.batching=packed"], tmp_path)
-    assert re.match(r"^error: \S+rows\.jsonl line 1: 2 images in one row; data\.batching=packed takes rows", line)
     line = one_error_line([*base, "data.max_length=5"], tmp_path)
     assert re.match(r"^error: \S+rows\.jsonl line 1: its image tokens end at token \d+, past data\.max_length=5", line)

@@ -240,16 +240,21 @@ def eval_rows(ev: EvalConfig, data: DataConfig, held, names: list[str], vision: 
     return found if names else {"": next(iter(found.values()))}
 
 
-def load_eval_sets(ev: EvalConfig, data: DataConfig, held, names: list[str], training, seed: int, tokenizer, vision):
+def load_eval_sets(
+    ev: EvalConfig, data: DataConfig, held, names: list[str], training, seed: int, tokenizer, vision, inputs=None
+):
     """{name: EvalSet} of the recipe's eval sets ("" for its one unnamed set), each read as training rows are,
-    checked against the `training` dataset, batched as the eval section says."""
+    checked against the `training` dataset, batched as the eval section says (image rows: with `inputs`, what the
+    VLM's forward takes beside them)."""
     return {
-        name: load_eval_set(rows, ev, training, seed, tokenizer, vision, name)
+        name: load_eval_set(rows, ev, training, seed, tokenizer, vision, name, inputs)
         for name, rows in eval_rows(ev, data, held, names, vision).items()
     }
 
 
-def load_eval_set(rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokenizer, vision: bool, name: str = ""):
+def load_eval_set(
+    rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokenizer, vision: bool, name: str = "", inputs=None
+):
     """One eval set: its rows read as training rows are, checked against the `training` dataset (None: a stream,
     not known up front), batched as the eval section says."""
     key, source, config, records = rows_of.key, rows_of.source, rows_of.reading, rows_of.records
@@ -268,7 +273,7 @@ def load_eval_set(rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokeni
     pad_for_ranks(rows, groups, world_size())
     collator = MicroBatchCollator(row_collator(batching, tokenizer.tokenizer if vision else tokenizer))
     if vision:  # the image processor's tensors join each text batch
-        collator = VisionCollator(collator, tokenizer)
+        collator = VisionCollator(collator, tokenizer, inputs)
     when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
     summary = (
         f"eval{' ' + name if name else ''}: {rows_of.how}; {eval_report.summary()}; {count} {ev.batching} micro-batch"

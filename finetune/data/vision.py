@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from finetune.data.formats import check_text, detect_format
+from finetune.data.image_inputs import ImageInputs
 from finetune.data.images import image_base_dir, open_image, stored_image, stored_ref
 from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
 from finetune.data.text import CHAT_ROLES, blank_tokens, check_turns, render_chat, row_labels
@@ -156,7 +157,6 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
         base = image_base_dir(where)
         try:
             messages, refs = parse_vision_row(record, image_token)
-            check_images_per_row(data, where, len(refs))
             opened = open_images(refs, base)
             ids, labels = encode_row(processor, messages, opened, data.loss_on, blank)
         except BadRow as e:
@@ -182,16 +182,6 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
     if not report.rows_kept:
         raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
     return vision_dataset(columns), report
-
-
-def check_images_per_row(data: DataConfig, where: str, images: int) -> None:
-    """Packed rows take at most one image per row: each packed sequence then owns exactly one entry of the batch's
-    image tensors, in order, whatever way a processor groups several images of one row."""
-    if data.batching == "packed" and images > 1:
-        raise RecipeError(
-            f"{where}: {images} images in one row; data.batching=packed takes rows of at most one image: split the "
-            "row, or use data.batching=padded or token_budget"
-        )
 
 
 def open_images(refs: list, base: Path | None) -> list:
@@ -247,10 +237,12 @@ def vision_dataset(columns: dict[str, list]):
 
 class VisionCollator:
     """Wraps the text collator batching.prepare chose (padding, packing, micro-batch items): it pads the text columns,
-    this adds the image processor's tensors (pixel_values, …) for the batch's images, in row order."""
+    this adds the image processor's tensors (pixel_values, …) for the batch's images, in row order, and what else
+    the model's forward takes (`inputs`: token types, a packed row's multimodal rope positions)."""
 
-    def __init__(self, text_collator, processor):
+    def __init__(self, text_collator, processor, inputs: ImageInputs | None = None):
         self.text_collator, self.image_processor = text_collator, processor.image_processor
+        self.inputs = inputs or ImageInputs()
 
     def __call__(self, items: list):
         nested = bool(items) and isinstance(items[0], list)  # token-budget batching: items are whole micro-batches
@@ -267,4 +259,4 @@ class VisionCollator:
         if any(images):  # in row order: a packed row's image tokens meet its images' features in the same order
             pixels = self.image_processor(images, return_tensors="pt")
             batch.update({k: v for k, v in pixels.items() if isinstance(v, torch.Tensor)})
-        return batch
+        return self.inputs.add_to(batch)

@@ -28,13 +28,11 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.utils import logging
 
+from finetune.model.packed_probe import NAME, probe_error
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
-from finetune.recipe import first_line
 
 logger = logging.get_logger(__name__)
 
-NAME = "packed_sdpa"
-PROBE_LENGTHS = (6, 1, 2, 5)  # a one-token and a two-token sequence: the edges of a per-sequence split
 
 # (weakref to the position_ids or cu_seq_lens tensor, its version, the bounds read from it): every layer of one forward
 # is handed the same tensor, so the host reads the boundaries once per forward rather than once per layer.
@@ -216,49 +214,6 @@ def register(attention: PackedAttention | None = None, name: str = NAME) -> Pack
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, packed_sdpa_mask)
     return attention
-
-
-def probe_batch(model) -> dict:
-    """A packed row of PROBE_LENGTHS sequences of in-vocabulary ids (no image placeholder), on the model's device."""
-    vocab = model.get_input_embeddings().num_embeddings
-    total = sum(PROBE_LENGTHS)
-    device = next(model.parameters()).device
-    ids = (torch.arange(total, device=device) * 7919 + 3) % max(vocab - 1, 1) + 1  # spread over the vocabulary
-    for name in ("image_token_id", "image_token_index", "video_token_id"):  # a VLM would ask for image features
-        special = getattr(model.config, name, None)
-        if isinstance(special, int):
-            ids = torch.where(ids == special, 1, ids)
-    positions = torch.cat([torch.arange(n, device=device) for n in PROBE_LENGTHS])
-    return {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False}
-
-
-def probe_error(model) -> str | None:
-    """Why `packed_sdpa` would not give sdpa's logits on a small packed row (None: it does, to rounding)."""
-    batch = probe_batch(model)
-    training = model.training
-    text = model.config.get_text_config()  # a VLM's language model only: its vision tower keeps its own attention
-    logits = {}
-    try:
-        model.eval()
-        # random state untouched: resumes stay bitwise. CPU only (devices=[]): an eval forward draws no CUDA random
-        # numbers, and forking the CUDA state would make a CUDA context on GPU 0 in every rank before accelerate
-        # gives each rank its device.
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for implementation in ("sdpa", NAME):
-                text._attn_implementation = implementation
-                logits[implementation] = model(**batch).logits.float()
-    except Exception as e:  # an architecture it does not fit: keep sdpa
-        return f"{type(e).__name__}: {first_line(e)}"
-    finally:
-        text._attn_implementation = "sdpa"
-        model.train(training)
-    reference = logits["sdpa"]
-    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2  # 16-bit: rounding of its own
-    difference = float((logits[NAME] - reference).abs().max())
-    scale = max(float(reference.abs().max()), 1.0)
-    if not difference <= tolerance * scale:
-        return f"its logits differ from sdpa's by {difference:.3g} on a packed probe row"
-    return None
 
 
 def config_reason(config) -> str | None:

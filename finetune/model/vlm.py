@@ -11,11 +11,13 @@ import re
 
 import torch
 
+from finetune.data.image_inputs import ImageInputs
 from finetune.env import is_main_process
 from finetune.model.freeze import freeze
+from finetune.model.image_rows import check_packing, image_inputs
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
-from finetune.recipe import Config, ModelConfig, RecipeError, evaluates, first_line
+from finetune.recipe import Config, ModelConfig, RecipeError, first_line
 
 SHAPES = "shapes_captions"
 
@@ -43,38 +45,12 @@ def is_vlm(cfg: Config, folder: str) -> bool:
     return vision
 
 
-def packing_refusal(config) -> str | None:
-    """Why packed image rows would not be exact for this VLM class (None: its image features fill the image tokens'
-    embeddings and its language model reads plain 1-D positions and a causal mask, as LLaVA's)."""
-    import inspect
+def forward_image_inputs(cfg: ModelConfig, folder: str) -> ImageInputs:
+    """What this VLM's forward takes beside the token ids and pixels (token types, packed rows' rope positions)."""
+    from transformers import AutoConfig
 
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    try:
-        forward = inspect.signature(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)].forward).parameters
-    except (KeyError, ValueError):
-        return f"{type(config).__name__} is not a transformers image-text model whose positions and masks are known"
-    if "mm_token_type_ids" in forward:  # Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V
-        return (
-            "it computes its own rotary positions (mrope: a 3-D grid per image) from each whole row, so position "
-            "ids restarting per packed sequence would misplace its image tokens"
-        )
-    if "token_type_ids" in forward:
-        return "its image tokens attend to each other both ways (token_type_ids), a mask packed rows do not carry"
-    return None
-
-
-def check_packing(cfg: Config, config) -> None:
-    """Refuse packed image rows (training or evaluation) for a VLM that cannot pack them exactly."""
-    asked = ["data.batching"] if cfg.data.batching == "packed" else []
-    if evaluates(cfg) and cfg.eval.batching == "packed":
-        asked.append("eval.batching")
-    why = packing_refusal(config) if asked else None
-    if why:
-        raise RecipeError(
-            f"model.name_or_path={cfg.model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
-            f"its image rows exactly: {why}; set {' and '.join(k + '=padded' for k in asked)} (or token_budget)"
-        )
+    config = AutoConfig.from_pretrained(vlm_folder(cfg, folder), trust_remote_code=cfg.trust_remote_code)
+    return image_inputs(config)
 
 
 # ---- loading ----

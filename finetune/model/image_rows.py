@@ -1,0 +1,81 @@
+"""How a VLM's image rows reach its forward: the token types and rope positions the collator makes for it
+(finetune/data/image_inputs.py), and whether its rows pack exactly (a refusal naming the batching that works)."""
+
+from __future__ import annotations
+
+from finetune.data.image_inputs import ImageInputs
+from finetune.recipe import Config, RecipeError, evaluates
+
+
+def image_text_class(config):
+    """The transformers image-text model class of a config (None: not one transformers knows)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    try:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def image_inputs(config) -> ImageInputs:
+    """The token types and rope positions this VLM's forward takes, made by the collator (data/image_inputs.py):
+    `mm_token_type_ids` and, for packed rows, the model's own get_rope_index bound to its config (the Qwen-VL family,
+    GLM-4V); Gemma3's `token_type_ids` (its image tokens attend both ways in training only when it is given)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = image_text_class(config)
+    forward = inspect.signature(cls.forward).parameters if cls is not None else {}
+    ids = {name: getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id")}
+    image = ids["image_token_id"] if ids["image_token_id"] is not None else ids["image_token_index"]
+    if "mm_token_type_ids" in forward:
+        base = MODEL_MAPPING.get(type(config), None)
+        rope_index = None
+        if base is not None and hasattr(base, "get_rope_index"):  # it reads the config and one helper, no weights
+            owner = SimpleNamespace(config=config)
+            owner.get_vision_position_ids = base.get_vision_position_ids.__get__(owner)
+            rope_index = base.get_rope_index.__get__(owner)
+        types = {image: 1, **({ids["video_token_id"]: 2} if ids["video_token_id"] is not None else {})}
+        return ImageInputs("mm_token_type_ids", types, rope_index)
+    if "token_type_ids" in forward and getattr(config, "model_type", "") != "paligemma":
+        return ImageInputs("token_type_ids", {image: 1})
+    return ImageInputs()
+
+
+def packing_refusal(config) -> str | None:
+    """Why packed image rows would not be exact for this VLM class (None: they are: its image features fill the image
+    tokens' embeddings, and its language model reads 1-D positions and a causal mask, as LLaVA's, or multimodal
+    rope positions that the collator makes per sequence with the model's own get_rope_index)."""
+    import inspect
+
+    cls = image_text_class(config)
+    if cls is None:
+        return f"{type(config).__name__} is not a transformers image-text model whose positions and masks are known"
+    forward = inspect.signature(cls.forward).parameters
+    if "mm_token_type_ids" in forward and image_inputs(config).rope_index is None:
+        return (
+            "it computes its own rotary positions from each whole row and has no get_rope_index to give them per "
+            "sequence"
+        )
+    if "token_type_ids" in forward:  # Gemma3: image blocks; PaliGemma: the prefix
+        return (
+            "part of each sequence attends both ways (token_type_ids), a mask no causal or varlen kernel takes "
+            "without materializing it over the whole row"
+        )
+    return None
+
+
+def check_packing(cfg: Config, config) -> None:
+    """Refuse packed image rows (training or evaluation) for a VLM that cannot pack them exactly."""
+    asked = ["data.batching"] if cfg.data.batching == "packed" else []
+    if evaluates(cfg) and cfg.eval.batching == "packed":
+        asked.append("eval.batching")
+    why = packing_refusal(config) if asked else None
+    if why:
+        raise RecipeError(
+            f"model.name_or_path={cfg.model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
+            f"its image rows exactly: {why}; set {' and '.join(k + '=token_budget' for k in asked)} (rows of similar "
+            "length batched to a token budget: most of packing's speed, each row attended alone) or padded"
+        )
