@@ -1,7 +1,8 @@
-"""Packed image rows for the multimodal-RoPE family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each sequence's rope rows are
-the model's own for that sequence alone, attention stays within each sequence, and training on packed rows (several
-images per sequence and per packed row, images of different grids) is exact against the float64 per-sequence
-reference: one sequence at a time, unpadded, the model computing its own positions from its token types."""
+"""Packed image rows for the multimodal-RoPE family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): each sequence's rope
+rows are the model's own for that sequence alone, attention stays within each sequence, and training on packed rows
+(several images per sequence and per packed row, images of different grids) is exact against the float64
+per-sequence reference: one sequence at a time, unpadded, the model computing its own positions from its token
+types."""
 
 import copy
 import io
@@ -55,6 +56,16 @@ def tiny(family: str):
         vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2)
         config = Qwen2VLConfig(text_config=text, vision_config=vision, attn_implementation="sdpa", **tokens)
         return Qwen2VLForConditionalGeneration(config)
+    if family == "glm4v":
+        from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1], "partial_rotary_factor": 1.0}
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, image_size=56)
+        glm_tokens = dict(
+            image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START, image_end_token_id=END
+        )
+        config = Glm4vConfig(text_config=text, vision_config=vision, attn_implementation="sdpa", **glm_tokens)
+        return Glm4vForConditionalGeneration(config)
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     text.update(
@@ -129,7 +140,7 @@ class Recording:
         return batch
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_packed_rows_carry_each_sequences_own_rope_positions(family):
     model = tiny(family).eval()
     assert packing_refusal(model.config) is None
@@ -165,7 +176,13 @@ def test_packed_rows_carry_each_sequences_own_rope_positions(family):
 
 @pytest.mark.parametrize(
     "family,attention",
-    [("qwen2_5_vl", "packed_sdpa"), ("qwen2_5_vl", "sdpa"), ("qwen2_vl", "packed_sdpa"), ("qwen3_vl", "packed_sdpa")],
+    [
+        ("qwen2_5_vl", "packed_sdpa"),
+        ("qwen2_5_vl", "sdpa"),
+        ("qwen2_vl", "packed_sdpa"),
+        ("qwen3_vl", "packed_sdpa"),
+        ("glm4v", "packed_sdpa"),
+    ],
 )
 def test_packed_mrope_rows_match_the_float64_per_sequence_reference(family, attention, tmp_path):
     """Tower, merger and language model all train (a misplaced image or position would move their gradients); 3 rows
