@@ -238,3 +238,20 @@ def test_one_row_positions_without_the_models_own_would_be_wrong():
         packed = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits[0]
         own = model(**alone(model, ROWS[0], processor), use_cache=False).logits[0]
     assert float((packed - own).abs().max()) > 2e-4  # 4× what the logits check above allows, at these sizes
+
+
+@pytest.mark.subprocess
+def test_packed_mrope_rows_on_two_ranks_match_the_float64_reference(tmp_path):
+    """Two CPU ranks (gloo), each a packed row of 3 sequences: one optimizer step's update is the float64 token-mean
+    gradient over all six sequences."""
+    from tests.launch import torchrun
+
+    out = str(tmp_path / "two_ranks.pt")
+    torchrun(["tests/workers/mrope_worker.py", out])
+    snapshots = torch.load(out, weights_only=True)["snapshots"]
+    processor = image_processor()
+    grads, _ = reference_gradient(
+        tiny("qwen2_5_vl"), ROWS, lambda model, seq: model(**alone(model, seq, processor), use_cache=False).logits
+    )
+    applied = {n: snapshots[0][n] - snapshots[1][n] for n in grads}
+    assert relative_error(applied, grads) <= 1e-5
