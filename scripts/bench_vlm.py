@@ -1,7 +1,7 @@
 """Throughput and peak memory of the VLM seed recipe's training, padded vs token_budget vs packed, in one run.
 
     python scripts/bench_vlm.py --quick --json bench_vlm.json
-    python scripts/bench_vlm.py --steps 8 recipe=recipes/vlm.yaml      # another recipe; key=value overrides pass on
+    python scripts/bench_vlm.py --recipe recipes/vlm_qwen.yaml --steps 8   # any VLM recipe; key=value overrides pass on
 
 Each mode trains in its own fresh process (same rows, same seed, same model) through `finetune.assemble.build` with
 8 rows per micro-batch (token_budget: 8 median-length rows' worth of padded tokens), 2 micro-batches per optimizer
@@ -171,6 +171,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="3 optimizer steps per mode (2 timed)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per mode, the first untimed")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--recipe", help="the VLM recipe to measure (default recipes/vlm_seed.yaml; recipe=PATH too)")
     parser.add_argument("--micro-batch", type=int, default=MICRO, help=f"rows per micro-batch (default {MICRO})")
     parser.add_argument("--accumulation", type=int, default=ACCUMULATION, help=f"default {ACCUMULATION}")
     parser.add_argument(
@@ -178,7 +179,8 @@ def main(argv: list[str]) -> int:
     )
     args, overrides = parser.parse_known_args(argv)
     steps = 3 if args.quick else args.steps
-    recipe = [a for a in overrides if a.startswith("recipe=")] or ["recipe=recipes/vlm_seed.yaml"]
+    recipe = [f"recipe={args.recipe}"] if args.recipe else [a for a in overrides if a.startswith("recipe=")]
+    recipe = recipe or ["recipe=recipes/vlm_seed.yaml"]
     micro, accumulation = args.micro_batch, args.accumulation
     import torch
 

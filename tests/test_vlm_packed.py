@@ -227,3 +227,20 @@ def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
     base = [f"model.name_or_path={tiny_vlm_folder}", f"data.source={rows}"]
     line = one_error_line([*base, "data.max_length=5"], tmp_path)
     assert re.match(r"^error: \S+rows\.jsonl line 1: its image tokens end at token \d+, past data\.max_length=5", line)
+
+
+def test_gemma3_image_batches_carry_token_type_ids_so_image_tokens_attend_both_ways():
+    """Gemma3's processor marks its image tokens in token_type_ids; without them its training forward attends to them
+    causally (not as at inference). The collator's inputs mark them from the token ids alone."""
+    from finetune.model.image_rows import image_inputs
+
+    model = tiny_gemma3().eval()
+    ids = torch.tensor([[5, 6, 297, 299, 299, 299, 299, 298, 7, 8]])
+    batch = image_inputs(model.config).add_to({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert batch["token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 0, 0, 0]]
+    pixels = torch.randn(1, 3, 28, 28)
+    with torch.no_grad():
+        both_ways = model(**batch, pixel_values=pixels).logits
+        causal = model(input_ids=ids, attention_mask=batch["attention_mask"], pixel_values=pixels).logits
+    assert float((both_ways[0, 3:7] - causal[0, 3:7]).abs().max()) > 1e-4  # the image tokens see each other
+    torch.testing.assert_close(both_ways[0, :3], causal[0, :3])  # before the image nothing changes
