@@ -4,11 +4,11 @@ from finetune.recipe import Config, RecipeError, load_config
 
 # Lazy: `finetune/train.py` checks a recipe before torch and transformers are imported, so a typo fails at once.
 _LAZY = {
-    "TokenNormTrainer": "finetune.trainer",
-    "TokenNormSeq2SeqTrainer": "finetune.seq2seq_trainer",
+    "TokenNormTrainer": "finetune.core.trainer",
+    "TokenNormSeq2SeqTrainer": "finetune.core.seq2seq_trainer",
     "build": "finetune.assemble",
-    "count_label_tokens": "finetune.loss",
-    "token_loss_sum": "finetune.loss",
+    "count_label_tokens": "finetune.core.loss",
+    "token_loss_sum": "finetune.core.loss",
 }
 
 __all__ = ["Config", "RecipeError", "load_config", *_LAZY]

@@ -5,7 +5,7 @@
     python scripts/bench_loss_head.py --quick                                         # tests: toy sizes
 
 Arms, each `loss = f(hidden [N, H], weight [V, H], targets [N])` then `loss.backward()`:
-- ours:  `finetune.loss.head_cross_entropy_sum` (the project's head, whatever it does inside);
+- ours:  `finetune.core.loss.head_cross_entropy_sum` (the project's head, whatever it does inside);
 - torch: `torch.nn.functional.linear_cross_entropy(reduction="sum", ignore_index=-100,
   options=torch.nn.LinearCrossEntropyOptions())` (the chunked path, torch's own defaults); skipped where torch lacks it;
 - plain: `F.cross_entropy((hidden @ weight.T).float(), targets, reduction="sum")`: the [N, V] logits, as HF models do.
@@ -79,7 +79,7 @@ def reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, chunk: int = 25
 
 def arm_fn(arm: str):
     if arm == "ours":
-        from finetune.loss import head_cross_entropy_sum  # the public function only: its inside may change
+        from finetune.core.loss import head_cross_entropy_sum  # the public function only: its inside may change
 
         return lambda h, w, t: head_cross_entropy_sum(h, w, None, t, 0.0)[0]
     if arm == "torch":

@@ -137,7 +137,7 @@ class Clock:
     def attach(self, trainer) -> None:
         from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-        from finetune.meter import matmul_parameters
+        from finetune.core.meter import matmul_parameters
 
         for quiet in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(quiet)
@@ -168,7 +168,7 @@ def mfu(
     peak_flops: float | None,
 ) -> float | None:
     """Model FLOP utilisation of real tokens: (6 × matmul parameters + 12 × layers × hidden × mean sequence length)
-    FLOPs per token (finetune.meter.flops_per_token's formula) × real tokens/s over the device's dense peak."""
+    FLOPs per token (finetune.core.meter.flops_per_token's formula) × real tokens/s over the device's dense peak."""
     if not peak_flops or not matmul_params:
         return None
     return (6.0 * matmul_params + 12.0 * layers * hidden * mean_length) * real_tokens_per_s / peak_flops

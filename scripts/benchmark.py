@@ -34,8 +34,8 @@ repeat all arms in a rotated order and report the median rate. Tokens are counte
 input_ids elements, real = attention-mask ones (every position of a padding-free row), summed on the device; step ends
 are CUDA events: the measuring hooks never wait for the GPU (scripts/bench_measure.py). MFU: (6 × matmul parameters +
 12 × layers × hidden × mean sequence length) FLOPs per real token × real tokens/s over the device's dense peak for the
-precision (finetune.meter's table, or `--peak-tflops`); none on a CPU. "× best HF": the arm's real tokens/s and peak
-memory over those of the fastest Trainer arm. Peak memory above the arm's start (weights, gradients and optimizer
+precision (finetune.core.meter's table, or `--peak-tflops`); none on a CPU. "× best HF": the arm's real tokens/s and
+peak memory over those of the fastest Trainer arm. Peak memory above the arm's start (weights, gradients and optimizer
 states included): on CUDA max_memory_allocated; on CPU the resident-set high-water mark (VmHWM, reset through
 /proc/self/clear_refs) after gc and malloc_trim. The packed arm runs once more with accumulation 1 over the same
 micro-batches, for the accumulation memory target.
@@ -284,7 +284,7 @@ class Bench:
     def run_hand_loop(self, cuda: bool) -> Clock:
         import torch.nn.functional as F
 
-        from finetune.meter import matmul_parameters
+        from finetune.core.meter import matmul_parameters
 
         device = torch.device("cuda" if cuda else "cpu")
         model, o = self.new_model().to(device).train(), self.cfg.optim
@@ -353,7 +353,7 @@ def summarize(runs: list[dict]) -> dict:
 def add_utilisation(results: dict, bench: Bench) -> None:
     """Per arm: MFU (None without a known peak) and the real tokens/s and peak memory over those of the fastest
     Trainer arm (`vs_best_hf`, and which arm that is)."""
-    from finetune.meter import device_peak_flops
+    from finetune.core.meter import device_peak_flops
 
     config = bench.model_config()
     peak = device_peak_flops(bench.args.precision, bench.args.peak_tflops)
@@ -518,7 +518,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="fp32",
         help="autocast over fp32 weights, every arm (fp16 needs a GPU)",
     )
-    parser.add_argument("--peak-tflops", type=float, help="the device's dense peak for MFU (default: finetune.meter)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the device's dense peak for MFU (default: finetune.core.meter)"
+    )
     parser.add_argument(
         "--model",
         choices=tuple(MODELS),

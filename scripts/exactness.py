@@ -6,8 +6,8 @@ For each model (a tiny Llama, a tiny Qwen2.5-VL with `accepts_loss_kwargs = Fals
 per-batch mean loss) and each (micro-batch, accumulation) case, trains with SGD lr 1 (the parameter change is the
 applied gradient) and prints the largest relative error over the run's optimizer steps.
 
-The tiny models, the ragged rows, the recording harness (finetune/tools/toy.py) and the float64 brute force
-(finetune/tools/reference.py) are the ones the tests use.
+The tiny models, the ragged rows, the recording harness (finetune/testing/toy.py) and the float64 brute force
+(finetune/testing/reference.py) are the ones the tests use.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import reference_gradient
-from finetune.tools.toy import (
+from finetune.testing.reference import reference_gradient
+from finetune.testing.toy import (
     MeanLossLM,
     RecordingCollator,
     ragged_rows,

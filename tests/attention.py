@@ -7,13 +7,13 @@ import copy
 import torch
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
-from finetune.labels import IGNORE_INDEX
+from finetune.core.labels import IGNORE_INDEX
 from finetune.model import packed_attention
-from finetune.tools.toy import VOCAB, ragged_rows
+from finetune.testing.toy import VOCAB, ragged_rows
 
 
 def tiny_mha(seed: int = 0) -> LlamaForCausalLM:
-    """finetune.tools.toy's tiny Llama without grouped-query attention (as many kv heads as heads)."""
+    """finetune.testing.toy's tiny Llama without grouped-query attention (as many kv heads as heads)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune import env
-from finetune.labels import IGNORE_INDEX
+from finetune.core.labels import IGNORE_INDEX
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -23,7 +23,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from finetune.tools.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
+from finetune.testing.toy import VOCAB, MeanLossLM, RecordingCollator, ragged_rows, tiny_llama
 
 TAGS = 5
 

@@ -5,9 +5,9 @@ much worse than it."""
 import torch
 import torch.nn.functional as F
 
-from finetune.labels import IGNORE_INDEX
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import model_at
+from finetune.core.labels import IGNORE_INDEX
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import model_at
 
 
 def autocast_brute_force_error(initial, snapshot, window, dtype, device: str = "cpu") -> float:

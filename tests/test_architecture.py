@@ -1,6 +1,7 @@
-"""The shape of the package, read from its source (ast, nothing imported): no import circle, nothing imports an entry
-script, the sub-packages say what they own, one home for the process environment and for the ignore index, scripts
-import nothing from tests, and the console scripts name real functions."""
+"""The shape of the package, read from its source (ast, nothing imported): no import circle (imports inside functions
+included), nothing imports an entry script, the drop-in (finetune/core) imports nothing of the recipe runner, the
+sub-packages say what they own, long modules and functions are few and known, one home for the process environment
+and for the ignore index, scripts import nothing from tests, and the console scripts name real functions."""
 
 import ast
 import importlib
@@ -10,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "finetune"
 ENTRY_SCRIPTS = {"finetune.train", "finetune.plan", "finetune.verify"}  # run as scripts or with -m, never imported
-SUB_PACKAGES = ("recipe", "data", "model", "training", "tools")
+SUB_PACKAGES = ("core", "recipe", "data", "model", "training", "tools", "testing")
 
 
 def module_name(path: Path) -> str:
@@ -46,8 +47,10 @@ def imported(path: Path, top_level_only: bool) -> set[str]:
     return {name for name in found if name == "finetune" or name.startswith("finetune.")}
 
 
-def test_no_module_level_import_circle():
-    graph = {name: imported(path, top_level_only=True) & set(modules()) for name, path in modules().items()}
+def test_no_import_circle_not_even_through_imports_inside_functions():
+    graph = {name: imported(path, top_level_only=False) & set(modules()) for name, path in modules().items()}
+    # a package imports its own modules only through lazy re-exports (finetune/__init__.py): not an edge back
+    graph = {name: {c for c in children if not name.startswith(c + ".")} for name, children in graph.items()}
     state: dict[str, str] = {}
     stack: list[str] = []
 
@@ -65,6 +68,17 @@ def test_no_module_level_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+def test_the_drop_in_imports_nothing_of_the_recipe_runner():
+    outside = [
+        f"{name} imports {other}"
+        for name, path in modules().items()
+        if name.startswith("finetune.core")
+        for other in imported(path, top_level_only=False)
+        if not other.startswith("finetune.core")
+    ]
+    assert outside == []
 
 
 def test_nothing_imports_an_entry_script():
@@ -94,12 +108,25 @@ def test_every_sub_package_says_what_it_owns_and_what_it_may_import():
         assert doc and "import" in doc, f"finetune/{name}/__init__.py needs a docstring saying what it may import"
 
 
-def test_sub_package_modules_stay_small():
+# Modules over 400 lines, each with why it stays one module. Functions stay within 60 lines (below) and McCabe 10
+# (ruff's C90, pyproject.toml).
+LONG_MODULES = {
+    "finetune/core/trainer.py": "TokenNormTrainer is one transformers.Trainer subclass: the window fetch, the loss, "
+    "evaluation's sums and the step gate are overrides of that one class (no mixins here), read against Trainer's own",
+}
+
+
+def test_modules_over_400_lines_are_listed_with_their_reason():
+    long = {str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py") if len(path.read_text().splitlines()) > 400}
+    assert long == set(LONG_MODULES)
+
+
+def test_functions_stay_within_60_lines():
     long = [
-        f"{path.relative_to(ROOT)}: {n} lines"
-        for name in SUB_PACKAGES
-        for path in (PACKAGE / name).glob("*.py")
-        if (n := len(path.read_text().splitlines())) > 300
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
     ]
     assert long == []
 
@@ -127,7 +154,7 @@ def test_the_ignore_index_is_written_once():
         and isinstance(node.operand, ast.Constant)
         and node.operand.value == 100
     ]
-    assert literals == [], "use finetune.labels.IGNORE_INDEX"
+    assert literals == [], "use finetune.core.labels.IGNORE_INDEX"
 
 
 def test_scripts_import_nothing_from_tests_and_edit_no_import_path():

@@ -7,8 +7,8 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
 from tests.attention import RecordingFlattening
 
 
@@ -67,7 +67,7 @@ def test_token_budget_groups_respect_the_budget_and_use_every_row_once():
 @pytest.mark.parametrize("padded", [True, False], ids=["token_budget", "packed_budget"])
 def test_token_budget_training_is_exact(padded, tmp_path):
     from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups
-    from finetune.tools.toy import RecordingCollator
+    from finetune.testing.toy import RecordingCollator
 
     initial = tiny_llama()
     rows = ragged_rows(20, seed=6)

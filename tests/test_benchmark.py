@@ -141,7 +141,7 @@ def test_clock_hooks_count_tokens_without_reading_the_device():
 def test_mfu_is_the_meters_flops_per_token():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.meter import flops_per_token, matmul_parameters
+    from finetune.core.meter import flops_per_token, matmul_parameters
 
     config = LlamaConfig(
         hidden_size=32,

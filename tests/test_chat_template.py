@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune.core.labels import IGNORE_INDEX
 from finetune.data.chat_templates import CHATML, use_chat_template
 from finetune.data.text import load_sft_dataset
-from finetune.labels import IGNORE_INDEX
 from finetune.model.loading import load_tokenizer, model_folder
 from finetune.recipe import DataConfig, RecipeError, load_config
 from tests import launch

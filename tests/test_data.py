@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.data import stdlib_docs
-from finetune.data.sources import DataReport
+from finetune.data.report import DataReport
 from finetune.data.text import load_sft_dataset
 from finetune.recipe import DataConfig, RecipeError
 from tests.data_files import chat, labelled, smollm2_folder, write_jsonl

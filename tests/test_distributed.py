@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import ragged_rows, tiny_llama, train_recording
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import ragged_rows, tiny_llama, train_recording
 from tests.launch import ROOT, torchrun
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.toy import (
+from finetune.testing.toy import (
     RecordingCollator,
     SnapshotCallback,
     model_at,

@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.data.heldout import QUESTION_MODULE, eval_groups, pad_for_ranks, split_records
-from finetune.data.sources import DataReport, read_records
+from finetune.data.report import DataReport
+from finetune.data.sources import read_records
 from finetune.recipe import Batching, DataConfig, load_config
+from finetune.testing.reference import reference_gradient
 from finetune.tools import train
-from finetune.tools.reference import reference_gradient
 from tests.data_files import chat, write_jsonl
 from tests.launch import TWO_RANKS
 from tests.wandb_reader import read_run

@@ -6,8 +6,8 @@ import pytest
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import reference_gradient
-from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.reference import reference_gradient
+from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 from tests.dropin_models import KINDS, PadEachCollator
 from tests.launch import two_rank_eval
 

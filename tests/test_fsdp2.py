@@ -8,8 +8,8 @@ each with gradients reduced once per window and after every micro-batch (train.s
 import pytest
 import torch
 
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import ragged_rows, tiny_llama
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import ragged_rows, tiny_llama
 from tests.launch import torchrun
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch

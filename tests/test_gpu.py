@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from transformers import TrainerCallback, TrainingArguments
 
 from finetune import TokenNormTrainer
-from finetune.loss import head_cross_entropy_sum
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import RecordingCollator, SnapshotCallback, model_at, ragged_rows, tiny_llama
+from finetune.core.loss import head_cross_entropy_sum
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import RecordingCollator, SnapshotCallback, model_at, ragged_rows, tiny_llama
 from tests.floors import autocast_brute_force_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

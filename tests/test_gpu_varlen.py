@@ -18,8 +18,8 @@ from finetune.data.batching import row_collator
 from finetune.model.packed_attention import PackedAttention, register
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
 from finetune.recipe import Batching
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import VOCAB, SnapshotCallback, model_at, ragged_rows
 from tests.attention import per_sequence
 
 pytestmark = [

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune import TokenNormTrainer
-from finetune.loss import head_cross_entropy_sum, next_token_targets
-from finetune.tools.toy import ragged_rows, step_errors, tiny_llama, train_recording
+from finetune.core.loss import head_cross_entropy_sum, next_token_targets
+from finetune.testing.toy import ragged_rows, step_errors, tiny_llama, train_recording
 from tests.floors import autocast_brute_force_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +74,7 @@ def float64_head(states, weight, targets):
 def test_chunked_head_in_low_precision_is_as_exact_as_autocast_logits(precision, monkeypatch):
     """GEMMs in the autocast dtype, accumulation in float32: per quantity, no worse than what autocast does to the
     model's own head (full logits in bf16/fp16, cross-entropy in float32), both against float64."""
-    import finetune.loss as loss_module
+    import finetune.core.loss as loss_module
 
     monkeypatch.setattr(loss_module, "head_chunk_rows", lambda vocab, device=None: 16)  # several chunks, one ragged
     dtype = DTYPES[precision]

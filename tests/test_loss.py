@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from finetune import TokenNormTrainer
-from finetune import loss as loss_module
-from finetune.loss import count_label_tokens, head_cross_entropy_sum, next_token_targets, predicting_positions
-from finetune.tools.reference import relative_error
-from finetune.tools.toy import ragged_rows, step_errors, tiny_llama, train_recording
+from finetune.core import loss as loss_module
+from finetune.core.loss import count_label_tokens, head_cross_entropy_sum, next_token_targets, predicting_positions
+from finetune.testing.reference import relative_error
+from finetune.testing.toy import ragged_rows, step_errors, tiny_llama, train_recording
 
 
 def brute_force_sum(hidden, weight, bias, labels):
@@ -94,8 +94,8 @@ def test_a_model_that_changes_logits_after_the_head_gets_its_logits_used(tmp_pat
     def scaled(model, seq):  # the reference sees the same scaled logits the model returns
         return model(input_ids=torch.as_tensor(seq["input_ids"]).unsqueeze(0)).logits
 
-    from finetune.tools.reference import reference_gradient
-    from finetune.tools.toy import model_at
+    from finetune.testing.reference import reference_gradient
+    from finetune.testing.toy import model_at
 
     for k, window in enumerate(windows):
         grads, _ = reference_gradient(model_at(initial, snapshots[k]), window, forward=scaled)

@@ -107,13 +107,13 @@ def test_fp16_run_on_a_gpu_does_not_advance_the_schedule_on_overflow(tmp_path, m
     ],
 )
 def test_peak_flops_of_each_device_variant(name, precision, tflops):
-    from finetune.meter import device_peak_flops
+    from finetune.core.meter import device_peak_flops
 
     assert device_peak_flops(precision, device_name=name) == (tflops * 1e12 if tflops else None)
 
 
 def test_compute_precision_follows_autocast_then_the_weights_dtype():
-    from finetune.meter import compute_precision
+    from finetune.core.meter import compute_precision
 
     bf16_weights = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8).float()).to(torch.bfloat16)
     bf16_weights[1].float()  # a norm kept in fp32 does not decide: most weights are bf16
@@ -127,7 +127,7 @@ def test_compute_precision_follows_autocast_then_the_weights_dtype():
 @pytest.mark.gpu
 @needs_cuda  # max_memory_allocated is CUDA's; a CPU's RSS high-water mark stays the process's
 def test_peak_memory_is_per_log_window_on_a_gpu():
-    from finetune.meter import WindowMeter
+    from finetune.core.meter import WindowMeter
 
     meter = WindowMeter()
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")

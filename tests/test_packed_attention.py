@@ -9,8 +9,8 @@ from transformers import DataCollatorWithFlattening, LlamaForCausalLM
 from finetune import TokenNormTrainer
 from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, use_for_packed_rows
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import VOCAB, SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
 from tests.attention import RecordingFlattening, alone_logits, rows_with_short_ones, tiny_mha, with_attention
 
 MODELS = {"gqa": tiny_llama, "mha": tiny_mha}

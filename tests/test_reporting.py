@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from finetune.meter import batch_counts, flops_per_token, matmul_parameters
-from finetune.tools.toy import ragged_rows, tiny_llama
+from finetune.core.meter import batch_counts, flops_per_token, matmul_parameters
+from finetune.testing.toy import ragged_rows, tiny_llama
 from tests.wandb_reader import read_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.toy import (
+from finetune.testing.toy import (
     MeanLossLM,
     RecordingCollator,
     SnapshotCallback,
@@ -65,7 +65,7 @@ def test_an_optimizer_built_outside_create_optimizer_gets_the_empty_window_veto(
     trainer = trainer_cls(
         model=model, args=args, train_dataset=empty_window_rows(), data_collator=RecordingCollator(), **extra
     )
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         trainer.train()
     after = SnapshotCallback.take(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # AdamW's decay would have moved every weight
@@ -115,7 +115,7 @@ def research_loss(base):
 def test_a_compute_loss_that_is_not_ours_trains_exactly_as_trainer_with_one_warning(subclass, tmp_path, caplog):
     """MeanLossLM's forward takes no **kwargs: Trainer divides its per-batch mean by the accumulation steps."""
     initial, rows = MeanLossLM(), ragged_rows(12, seed=3)
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         ours, _, ours_snaps = train_recording(
             subclass(TokenNormTrainer), copy.deepcopy(initial), rows, tmp_path / "a", 2, 2
         )
@@ -144,10 +144,10 @@ def test_a_compute_loss_that_calls_super_stays_exact_and_silent(tmp_path, caplog
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    from finetune.tools.toy import step_errors
+    from finetune.testing.toy import step_errors
 
     initial = tiny_llama()
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         trainer, windows, snaps = train_recording(
             Wrapped, copy.deepcopy(initial), ragged_rows(8, seed=2), tmp_path, 2, 2
         )
@@ -181,7 +181,7 @@ class SplicingLM(MeanLossLM):
 def test_a_model_that_re_aligns_its_labels_trains_exactly_as_trainer_with_one_warning(tmp_path, caplog):
     torch.manual_seed(0)
     initial, rows = SplicingLM(), ragged_rows(12, seed=5)
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         ours, _, ours_snaps = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "a", 2, 2)
         metrics = ours.evaluate(rows[:5])
     stock, _, stock_snaps = train_recording(Trainer, copy.deepcopy(initial), rows, tmp_path / "b", 2, 2)

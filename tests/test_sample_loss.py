@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from transformers import BertForMultipleChoice, BertForSequenceClassification, Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import relative_error
-from finetune.tools.toy import VOCAB, SnapshotCallback, model_at, sgd_args
+from finetune.testing.reference import relative_error
+from finetune.testing.toy import VOCAB, SnapshotCallback, model_at, sgd_args
 from tests.dropin_models import tiny_bert
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration, Seq2SeqTrainer
 
 from finetune import TokenNormSeq2SeqTrainer, TokenNormTrainer
-from finetune.tools.reference import reference_gradient
-from finetune.tools.toy import VOCAB
+from finetune.testing.reference import reference_gradient
+from finetune.testing.toy import VOCAB
 from tests.dropin_models import (
     MetricInputs,
     PadEachCollator,

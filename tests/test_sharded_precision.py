@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from finetune.tools.reference import relative_error
+from finetune.testing.reference import relative_error
 from tests.debug_model import debug_model_keys
 from tests.launch import ACCELERATE, ROOT, torchrun
 
@@ -182,7 +182,7 @@ def test_stop_before_the_last_backward(tmp_path):
 def test_resume_shapes_of_a_zero3_partitioned_model_are_the_whole_shapes():
     """zero.Init leaves each rank an empty partition of every weight: the shapes a checkpoint is checked against are
     the parameters' ds_shape, not the empty tensors' (a resume would be refused as another model)."""
-    from finetune.tools.toy import tiny_llama
+    from finetune.testing.toy import tiny_llama
     from finetune.training.checkpoints import _model_shapes
 
     model = tiny_llama()
@@ -198,7 +198,7 @@ def test_resume_of_a_zero3_partitioned_tied_model_accepts_its_own_checkpoint(tmp
     """A tied model saves embed_tokens.weight once (no lm_head.weight); under ZeRO-3 every partition is empty, so the
     tie is known from the shared Parameter, not from storage (the H200 ZeRO-3 resume was refused as another model)."""
     from finetune.recipe.fields import RecipeError
-    from finetune.tools.toy import tiny_llama
+    from finetune.testing.toy import tiny_llama
     from finetune.training.checkpoints import check_same_model, tied_missing
 
     model = tiny_llama(tie=True)

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from finetune import TokenNormTrainer, token_mean
-from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 
 def brute_force_accuracy(model, rows) -> tuple[int, int]:

@@ -12,8 +12,8 @@ import torch
 from transformers import Trainer
 
 from finetune import TokenNormTrainer
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import (
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import (
     MeanLossLM,
     RecordingCollator,
     SnapshotCallback,

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from finetune import TokenNormTrainer  # noqa: E402
-from finetune.tools.reference import relative_error, silence_dropout  # noqa: E402
-from finetune.tools.toy import RecordingCollator, SnapshotCallback, model_at, ragged_rows, tiny_llama  # noqa: E402
+from finetune.testing.reference import relative_error, silence_dropout  # noqa: E402
+from finetune.testing.toy import RecordingCollator, SnapshotCallback, model_at, ragged_rows, tiny_llama  # noqa: E402
 
 
 def tokenizer():
@@ -100,7 +100,7 @@ def test_ours_first_with_nll_trains_the_exact_token_mean_and_says_trl_metrics_ar
     padding_free, tmp_path, caplog
 ):
     initial, rows = tiny_llama(), ragged_rows(12, seed=4)  # completion-only: a prompt prefix has no targets
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         trainer, windows, snaps = train(OursFirst, initial, rows, tmp_path, "nll", padding_free)
     assert len(windows) == 3 and max(errors(initial, windows, snaps, "nll")) < 1e-5
     said = [r.getMessage() for r in caplog.records if "SFTTrainer.compute_loss, which is not called" in r.getMessage()]
@@ -114,7 +114,7 @@ class TrlAlone(trl.SFTTrainer):
 @pytest.mark.parametrize("order", [OursFirst, TrlFirst], ids=["ours_first", "trl_first"])
 def test_dft_trains_trls_own_objective_exactly_as_sfttrainer_alone_with_one_warning(order, tmp_path, caplog):
     initial, rows = tiny_llama(), ragged_rows(12, seed=4)
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         _, windows, snaps = train(order, initial, rows, tmp_path / "composed", "dft")
     _, alone_windows, alone = train(TrlAlone, initial, rows, tmp_path / "alone", "dft")
     assert windows == alone_windows
@@ -131,7 +131,7 @@ def test_dft_trains_trls_own_objective_exactly_as_sfttrainer_alone_with_one_warn
 
 def test_trl_first_with_nll_is_exact_and_says_whose_loss_it_trains(tmp_path, caplog):
     initial, rows = tiny_llama(), ragged_rows(12, seed=4)
-    with caplog.at_level(logging.WARNING, logger="finetune.trainer"):
+    with caplog.at_level(logging.WARNING, logger="finetune.core.trainer"):
         _, windows, snaps = train(TrlFirst, initial, rows, tmp_path, "nll")
     assert max(errors(initial, windows, snaps, "nll")) < 1e-5
     said = [r.getMessage() for r in caplog.records if "TokenNormTrainer" in r.getMessage()]

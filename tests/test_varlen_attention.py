@@ -15,8 +15,8 @@ from finetune.model import packed_attention
 from finetune.model.packed_attention import NAME, PackedAttention
 from finetune.model.varlen_attention import VarlenKernel
 from finetune.recipe import Batching
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import SnapshotCallback, model_at, ragged_rows, sgd_args, tiny_llama
 from tests.attention import alone_logits, per_sequence, rows_with_short_ones, tiny_mha, with_attention
 
 VARLEN_ON_CPU = "packed_varlen_reference"

@@ -23,8 +23,8 @@ from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
 from finetune.model.llava import IMAGE_TOKEN, llava_processor
 from finetune.model.vlm import is_vlm, prepare_vlm
 from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, load_config
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 from tests.data_files import write_jsonl
 from tests.launch import ONE_RANK, TWO_RANKS
 from tests.vlm_models import prepared, tiny_llava

@@ -14,16 +14,16 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
 from finetune import TokenNormTrainer
+from finetune.core.meter import batch_counts
 from finetune.data.batching import row_collator
 from finetune.data.image_inputs import ImageInputs
 from finetune.data.images import open_image
 from finetune.data.vision import VisionCollator
-from finetune.meter import batch_counts
 from finetune.model.image_rows import image_inputs, packing_refusal
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import VOCAB, SnapshotCallback, sgd_args, tiny_qwen_vl
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import VOCAB, SnapshotCallback, sgd_args, tiny_qwen_vl
 
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 SIZES = {"square": (56, 56), "wide": (112, 56)}  # 14 px patches merged 2×2: 4 and 8 image tokens

@@ -21,9 +21,9 @@ from finetune.data.vision import VisionCollator, load_vision_dataset
 from finetune.model.llava import IMAGE_TOKEN
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching, DataConfig, RecipeError
+from finetune.testing.reference import reference_gradient, relative_error
+from finetune.testing.toy import SnapshotCallback, sgd_args
 from finetune.tools import verify
-from finetune.tools.reference import reference_gradient, relative_error
-from finetune.tools.toy import SnapshotCallback, sgd_args
 from tests.vlm_models import prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,6 @@ labels (`text`), image+text rows and their collator (`vision`) and image files (
 goes (`streaming`), how rows become micro-batches for each `data.batching` mode (`batching`), the built-in sets
 (`stdlib_docs`, `shapes_captions`), the eval set (`heldout`: rows held out of data.source or read from eval.source,
 its micro-batches) and the prompts samples are generated from (`prompts`). May import `finetune.recipe`,
-`finetune.env`, `finetune.labels` and the data libraries (datasets, transformers' tokenizers and collators, PIL, torch's
-Dataset); never the model, training or tools packages.
+`finetune.env`, `finetune.core.labels` and the data libraries (datasets, transformers' tokenizers and
+collators, PIL, torch's Dataset); never the model, training or tools packages.
 """

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from finetune.labels import IGNORE_INDEX
+from finetune.core.labels import IGNORE_INDEX
 from finetune.recipe import Batching, TrainConfig
 
 # Rows are sorted by length in windows of about this many budgeted micro-batches before grouping: rows of a micro-batch

@@ -24,14 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.core.labels import IGNORE_INDEX
 from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups, row_collator
 from finetune.data.formats import form, rows_as_read
-from finetune.data.sources import DataReport, Record, read_records
+from finetune.data.report import DataReport
+from finetune.data.sources import Record, read_records
 from finetune.data.streaming import stream_sft_dataset
 from finetune.data.text import load_sft_dataset
 from finetune.data.vision import VisionCollator, load_vision_dataset, vision_records
 from finetune.env import world_size
-from finetune.labels import IGNORE_INDEX
 from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, eval_batching, mixture_names
 
 QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json

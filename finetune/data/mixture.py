@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 from finetune.data.heldout import load_training_set
-from finetune.data.sources import DataReport
+from finetune.data.report import DataReport
 from finetune.recipe import DataConfig, RecipeError, mixture_names
 
 

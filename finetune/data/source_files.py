@@ -7,8 +7,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from finetune.data.sources import COMPRESSED, FILE_KINDS, GZIP_KINDS, PATH_SUFFIXES, DataReport, file_kind
+from finetune.data.report import DataReport
 from finetune.recipe import RecipeError
+
+FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+GZIP_KINDS = ("jsonl", "json", "csv")  # read through gzip when the name ends in .gz
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4", ".7z")
+PATH_SUFFIXES = set(FILE_KINDS) | {".txt", ".tsv", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
+
+
+def file_kind(path: Path) -> str | None:
+    """jsonl | json | parquet | csv for a data file (also name.jsonl.gz, …), None for any other file."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz" and len(suffixes) > 1:
+        kind = FILE_KINDS.get(suffixes[-2])
+        return kind if kind in GZIP_KINDS else None
+    return FILE_KINDS.get(suffixes[-1]) if suffixes else None
 
 
 def looks_like_path(source: str) -> bool:

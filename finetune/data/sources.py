@@ -16,56 +16,14 @@ import csv
 import gzip
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from finetune.data.report import DataReport
+from finetune.data.source_files import file_kind, local_files
 from finetune.recipe import DataConfig, RecipeError, first_line
 
-FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-GZIP_KINDS = ("jsonl", "json", "csv")  # read through gzip when the name ends in .gz
-COMPRESSED = (".gz", ".zst", ".bz2", ".xz", ".zip", ".lz4", ".7z")
-PATH_SUFFIXES = set(FILE_KINDS) | {".txt", ".tsv", ".gz", ".zst", ".arrow", ".yaml", ".yml"}
-
 Record = tuple[str, Any]  # (where: "file line 7", the raw row)
-
-
-@dataclass
-class DataReport:
-    source: str = ""
-    format: str = ""
-    rows_read: int = 0
-    rows_kept: int = 0
-    truncated: int = 0
-    dropped_over_length: int = 0
-    dropped_no_supervised_tokens: int = 0
-    bad_rows_skipped: int = 0
-    first_skipped: list[str] = field(default_factory=list)  # where and why of the first skipped bad rows
-    tokens: int = 0  # input tokens over the kept rows
-    target_tokens: int = 0  # supervised targets after the causal shift
-    streamed: bool = False  # data.streaming: rows are read as training goes, counts unknown at start
-    skipped_files: list[str] = field(default_factory=list)  # a folder's files that are not data files
-
-    def summary(self) -> str:
-        if self.streamed:
-            return f"{self.source} ({self.format}), streamed: rows are read, tokenized and labelled as training goes"
-        counts = [
-            (self.truncated, "truncated"),
-            (self.dropped_over_length, "dropped over data.max_length"),
-            (self.dropped_no_supervised_tokens, "dropped without targets"),
-            (self.bad_rows_skipped, "bad skipped"),
-        ]
-        extra = "".join(f", {n:,} {what}" for n, what in counts if n)
-        if self.first_skipped:  # which rows, so a skip is never silent
-            more = ", …" if self.bad_rows_skipped > len(self.first_skipped) else ""
-            extra += f"; skipped: {'; '.join(self.first_skipped)}{more}"
-        if self.skipped_files:  # said, never skipped in silence
-            names = ", ".join(self.skipped_files[:3]) + (", …" if len(self.skipped_files) > 3 else "")
-            extra += f"; {len(self.skipped_files)} other file(s) in the folder not read ({names})"
-        return (
-            f"{self.source} ({self.format}): {self.rows_kept:,} of {self.rows_read:,} rows kept{extra}; "
-            f"{self.tokens:,} tokens, {self.target_tokens:,} targets"
-        )
 
 
 class BadRow(Exception):
@@ -127,15 +85,6 @@ def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
         key = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise DuplicateKey(f"key '{key}' appears twice in one object (JSON would keep only the last); remove one")
     return found
-
-
-def file_kind(path: Path) -> str | None:
-    """jsonl | json | parquet | csv for a data file (also name.jsonl.gz, …), None for any other file."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] == ".gz" and len(suffixes) > 1:
-        kind = FILE_KINDS.get(suffixes[-2])
-        return kind if kind in GZIP_KINDS else None
-    return FILE_KINDS.get(suffixes[-1]) if suffixes else None
 
 
 def open_data(path: Path):
@@ -229,7 +178,6 @@ def _read_file(path: Path, data: DataConfig, report: DataReport, out: list[Recor
 def read_records(data: DataConfig, report: DataReport) -> list[Record]:
     """The raw rows (the first data.limit of them), each with where it came from; bad JSON lines handled here."""
     source, out = data.source, []
-    from finetune.data.source_files import local_files  # it reads this module's file kinds
 
     files = local_files(source, report)
     if files is not None:

@@ -24,18 +24,9 @@ from pathlib import Path
 import torch
 
 from finetune.data.formats import detect_format
-from finetune.data.source_files import local_files
-from finetune.data.sources import (
-    BadRow,
-    DataReport,
-    Record,
-    csv_records,
-    file_kind,
-    json_line_records,
-    open_data,
-    read_error,
-    reject_row,
-)
+from finetune.data.report import DataReport
+from finetune.data.source_files import file_kind, local_files
+from finetune.data.sources import BadRow, Record, csv_records, json_line_records, open_data, read_error, reject_row
 from finetune.data.text import blank_tokens, char_limit, fit_row, row_labels, row_strings, text_eos
 from finetune.recipe import DataConfig, RecipeError, first_line
 

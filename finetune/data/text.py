@@ -24,10 +24,11 @@ import difflib
 import functools
 from typing import TYPE_CHECKING, Any
 
+from finetune.core.labels import IGNORE_INDEX, target_count
 from finetune.data.chat_templates import require_chat_template
 from finetune.data.formats import as_read, check_columns, detect_format, form, string_field
-from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
-from finetune.labels import IGNORE_INDEX, target_count
+from finetune.data.report import DataReport
+from finetune.data.sources import BadRow, Record, read_records, reject_row
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 CHAT_ROLES = ("system", "user", "assistant")

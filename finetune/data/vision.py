@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from finetune.core.labels import IGNORE_INDEX, target_count
 from finetune.data.formats import check_text, detect_format
 from finetune.data.image_inputs import ImageInputs
 from finetune.data.images import image_base_dir, open_image, stored_image, stored_ref
-from finetune.data.sources import BadRow, DataReport, Record, read_records, reject_row
+from finetune.data.report import DataReport
+from finetune.data.sources import BadRow, Record, read_records, reject_row
 from finetune.data.text import CHAT_ROLES, blank_tokens, check_turns, render_chat, row_labels
-from finetune.labels import IGNORE_INDEX, target_count
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads

@@ -1,7 +1,6 @@
 """The commands: train a recipe (`train`), plan the largest micro-batch that fits (`plan`, with `memory_trials`), and
-prove that a recipe's training step applies the exact token-mean gradient (`verify`, with `reference_check`). The
-float64 brute force it proves against (`reference`) and the tiny models and recording harness (`toy`) are shared with
-the tests and scripts/exactness.py, which may import them.
+prove that a recipe's training step applies the exact token-mean gradient (`verify`, with `reference_check`, against
+the float64 brute force of finetune/testing).
 
 Each `main(argv)` is what an entry script runs (finetune/train.py, `python -m finetune.plan`, `python -m
 finetune.verify`, and the finetune-train/-plan/-verify console scripts). They are the users of `finetune.assemble`,

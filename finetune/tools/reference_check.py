@@ -5,8 +5,8 @@
   the norm the trainer clipped with, and (`gradient_capture`, a callback) before each optimizer step the applied
   gradient, the parameters and the rows of all ranks (gathered to rank 0).
 - `reference_placement`, `reference_model`: where the reference runs: float64 where it fits (else float32), without
-  accelerate's autocast. The gradient itself is `finetune.tools.reference.window_gradient`, the brute force the
-  tests use too: each sequence alone and unpadded, the loss written out there (not `finetune.loss`).
+  accelerate's autocast. The gradient itself is `finetune.testing.reference.window_gradient`, the brute force the
+  tests use too: each sequence alone and unpadded, the loss written out there (not `finetune.core.loss`).
 - `compare`, `micro_batch_weights`: the relative error overall and per parameter group, and the least-squares weight
   of each micro-batch in the applied gradient.
 """

@@ -7,8 +7,8 @@ The recipe runs as training runs it (`finetune.assemble.build`: model, data, bat
 for `verify.steps` optimizer steps (default 1), with the recipe's trainer class recording what it does
 (`reference_check.recording_trainer`). Just before each optimizer step the applied gradient is captured and compared
 with a reference computed from the rows that window really held (gathered from every rank): each sequence alone,
-unpadded, in float64 (float32 when the model does not fit), with the loss written out in finetune/tools/reference.py
-(not `finetune.loss`; the brute force the tests use too), then clipped by the factor the trainer clipped with
+unpadded, in float64 (float32 when the model does not fit), with the loss written out in finetune/testing/reference.py
+(not `finetune.core.loss`; the brute force the tests use too), then clipped by the factor the trainer clipped with
 (`train.max_grad_norm`). A row becomes model inputs through the recipe's own collator given that one row (nothing to
 pad or pack), so image rows of a VLM recipe come with their pixel values. This module runs the recipe and reports;
 reference_check records the windows and places the reference. Exit 0 when both checks pass, 1 when one fails, 2 for
@@ -111,7 +111,7 @@ def tolerance_for(cfg: Config) -> tuple[float, str]:
 def run(cfg: Config, steps: int = 1) -> list[StepCheck]:
     """Train `steps` optimizer steps of the recipe and check each; the checks on rank 0, [] elsewhere."""
     from finetune.assemble import build
-    from finetune.tools.reference import silence_dropout
+    from finetune.testing.reference import silence_dropout
     from finetune.training import recipe_trainer
 
     recorder = WindowRecorder()
@@ -136,7 +136,7 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
     import psutil
     import torch
 
-    from finetune.tools.reference import window_gradient
+    from finetune.testing.reference import window_gradient
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
     model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
@@ -194,7 +194,7 @@ def own_arithmetic_gradient(cfg: Config, model, micro_batches, logits_of, device
 
     import torch
 
-    from finetune.tools.reference import window_gradient
+    from finetune.testing.reference import window_gradient
 
     weights = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)

@@ -5,8 +5,8 @@ Owns the recipe's optimizers (AdamW, SGD, LAMB, LARS) and LR schedules, checkpoi
 resume bitwise, a run's start and end (output folder checks, signals, the final save), what `accelerate launch`
 decided checked against the recipe, what a run shows (W&B, the console, timings.jsonl, the profiler), evaluation
 during a run (when, what is logged, the best model, early stopping), generated samples, and `RecipeTrainer`
-(recipe_trainer.py: TokenNormTrainer plus all of the above). May import `finetune.trainer` (the drop-in),
-`finetune.recipe`, `finetune.env`, `finetune.meter` (the measured keys), `finetune.model` (the module-name prefix
+(recipe_trainer.py: TokenNormTrainer plus all of the above). May import `finetune.core.trainer` (the drop-in),
+`finetune.recipe`, `finetune.env`, `finetune.core.meter` (the measured keys), `finetune.model` (the module-name prefix
 rule; files checked and written whole) and torch/transformers/accelerate; never `finetune.assemble` or
 `finetune.tools`.
 """

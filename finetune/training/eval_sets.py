@@ -9,7 +9,7 @@ import time
 
 from transformers.trainer_utils import speed_metrics
 
-from finetune import token_mean
+from finetune.core import token_mean
 
 
 def evaluate_sets(trainer, datasets: dict, ignore_keys=None, prefix: str = "eval") -> dict[str, float]:

@@ -17,8 +17,8 @@ from accelerate.utils import DistributedType
 from transformers import PrinterCallback
 from transformers.utils import logging
 
+from finetune.core.trainer import TokenNormTrainer
 from finetune.recipe import RecipeError
-from finetune.trainer import TokenNormTrainer
 from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
 from finetune.training.eval_sets import evaluate_sets
 

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
+from finetune.core.meter import TIMING_KEYS
 from finetune.env import is_main_process
-from finetune.meter import TIMING_KEYS
 from finetune.model.lora_merge import MergedSaves
 from finetune.recipe import Config, RecipeError
 from finetune.training.console import StepProgress

@@ -6,7 +6,7 @@ import torch
 
 from finetune import TokenNormTrainer
 from finetune.env import exit_process
-from finetune.tools.toy import RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.toy import RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 
 
 def main(out: str, micro: int, accumulation: int, rows: int, seed: int) -> None:

@@ -13,7 +13,7 @@ from transformers import Seq2SeqTrainer
 
 from finetune import TokenNormSeq2SeqTrainer, TokenNormTrainer
 from finetune.env import exit_process
-from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 from tests.dropin_models import MetricInputs, PadEachCollator, generating_args, seq2seq_rows, tiny_t5
 
 

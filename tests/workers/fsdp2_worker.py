@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from finetune import TokenNormTrainer
+from finetune.core.loss import count_label_tokens, token_loss_sum
 from finetune.env import exit_process
-from finetune.loss import count_label_tokens, token_loss_sum
-from finetune.tools.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 MICRO, ACCUMULATION = 2, 3
 

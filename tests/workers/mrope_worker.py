@@ -17,7 +17,7 @@ from finetune.env import exit_process
 from finetune.model.image_rows import image_inputs
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching
-from finetune.tools.toy import SnapshotCallback, sgd_args
+from finetune.testing.toy import SnapshotCallback, sgd_args
 from tests.test_vlm_mrope_packed import ROWS, image_processor, tiny
 
 

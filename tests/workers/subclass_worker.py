@@ -14,7 +14,7 @@ from transformers import Trainer
 
 from finetune import TokenNormTrainer
 from finetune.env import exit_process
-from finetune.tools.toy import MeanLossLM, RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
+from finetune.testing.toy import MeanLossLM, RecordingCollator, SnapshotCallback, ragged_rows, sgd_args, tiny_llama
 from tests.test_research_subclasses import empty_window_rows, model_loss, own_optimizer
 
 

@@ -1,5 +1,5 @@
 """Tiny models, ragged rows and the SGD recording harness with which the exactness tests and scripts/exactness.py
-check a trainer against the float64 reference (`finetune.tools.reference`), built from configs: nothing to download.
+check a trainer against the float64 reference (`finetune.testing.reference`), built from configs: nothing to download.
 
 With SGD, lr 1 and no momentum or decay, the parameter change of a step is minus the gradient the trainer applied,
 so `train_recording` + `step_errors` check every step of a run against the rows its window really held.
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from finetune.labels import IGNORE_INDEX
-from finetune.tools.reference import reference_gradient, relative_error
+from finetune.core.labels import IGNORE_INDEX
+from finetune.testing.reference import reference_gradient, relative_error
 
 VOCAB = 61
 

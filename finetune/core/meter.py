@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from finetune.loss import CAUSAL_LM, IGNORE_INDEX, targets_of
+from finetune.core.loss import CAUSAL_LM, IGNORE_INDEX, targets_of
 
 # Fields of the per-window count vector, in order.
 COUNTS = ("label_tokens", "real_tokens", "computed_tokens", "sequences")

@@ -6,7 +6,7 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   model's loss kind, summed over data-parallel ranks only: `window_label_tokens`), and each micro-batch's loss is the
   *sum* of cross-entropy computed here from the model's logits (the model's own loss is never used, so models that
   ignore `num_items_in_batch`, like many VLMs, are exact too), divided by that count, times the data-parallel size:
-  the rule and why each factor is there are in finetune/token_mean.py, which these hooks call. Label smoothing
+  the rule and why each factor is there are in finetune/core/token_mean.py, which these hooks call. Label smoothing
   (`label_smoothing_factor`) is applied inside the sum; a `compute_loss_func` gets the window count as
   `num_items_in_batch`.
 - **Evaluation**: `evaluate()`/`predict()`'s `eval_loss` is the token mean of the whole eval set (every labelled
@@ -17,7 +17,7 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   weights by optimizer momentum and decay, whatever built the optimizer (the gate is hooked onto it at the first
   window).
 - **A loss from elsewhere** (a subclass's `compute_loss` that does not call this one) is trained by `Trainer`'s own
-  rule for it, with one warning (`finetune/step_verdict.py` keeps what decides each step); `require_exact=True`
+  rule for it, with one warning (`finetune/core/step_verdict.py` keeps what decides each step); `require_exact=True`
   raises instead.
 - **Per-step figures**: `window_label_tokens`, `padding_efficiency`, `mean_sequence_tokens`, `clip_factor` in the log
   history; tokens/s, samples/s, peak memory and MFU go to every `on_log` callback (console, W&B), not to
@@ -41,8 +41,8 @@ from transformers import Trainer
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from finetune import token_mean
-from finetune.heads import (
+from finetune.core import token_mean
+from finetune.core.heads import (
     head_passes_hidden_states,
     logits_of,
     loss_kind,
@@ -51,7 +51,7 @@ from finetune.heads import (
     problem_type_of,
     returned_unchanged,
 )
-from finetune.loss import (
+from finetune.core.loss import (
     IGNORE_INDEX,
     SAMPLE,
     SEQ2SEQ,
@@ -63,7 +63,7 @@ from finetune.loss import (
     sample_loss_sums,
     targets_of,
 )
-from finetune.meter import (
+from finetune.core.meter import (
     TIMING_KEYS,
     WindowMeter,
     compute_precision,
@@ -72,7 +72,7 @@ from finetune.meter import (
     matmul_parameters,
     window_counts,
 )
-from finetune.step_verdict import StepVerdict
+from finetune.core.step_verdict import StepVerdict
 
 logger = logging.get_logger(__name__)
 
@@ -113,7 +113,7 @@ class TokenNormTrainer(Trainer):
         # never exist whole) once the first training forward has shown that the model returns the head's output
         # unchanged. None: not known yet; False: use the model's logits.
         self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
-        self.verdict = StepVerdict()  # what decides each optimizer step (finetune/step_verdict.py)
+        self.verdict = StepVerdict()  # what decides each optimizer step (finetune/core/step_verdict.py)
         self._foreign_loss_said = False
         # Under mixed precision the chunked head's GEMMs take the autocast dtype, as the model's own head would (the
         # loss runs outside the forward, where autocast is not active).
@@ -259,7 +259,7 @@ class TokenNormTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.evaluating() or num_items_in_batch is None:  # this batch's own token mean (evaluation, a direct call)
             loss = token_mean.batch_mean(loss_sum, label_tokens)
-        else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/token_mean.py)
+        else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/core/token_mean.py)
             loss = token_mean.window_loss(loss_sum, num_items_in_batch, self._data_parallel_size())
             self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
@@ -428,7 +428,7 @@ class TokenNormTrainer(Trainer):
 
     def evaluating(self) -> bool:
         """Whether an evaluation loop is running: compute_loss then reports each batch's own token mean and adds its
-        rows to the whole set's sums (finetune/token_mean.py)."""
+        rows to the whole set's sums (finetune/core/token_mean.py)."""
         return self._eval_sums is not None
 
     def _add_eval(self, gathered: torch.Tensor) -> None:

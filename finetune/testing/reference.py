@@ -2,8 +2,8 @@
 
 The one brute force that the exactness tests, scripts/exactness.py and `finetune.verify` (through reference_check)
 compare training with. It shares no code with what it checks: the loss is written out here with the plain definition
-(the mean over every target token of the window of −log softmax(logits[t])[target]), not taken from `finetune.loss`,
-and each sequence runs alone, so no padding, packing, accumulation or rank can enter it.
+(the mean over every target token of the window of −log softmax(logits[t])[target]), not taken from
+`finetune.core.loss`, and each sequence runs alone, so no padding, packing, accumulation or rank can enter it.
 
 - `window_gradient`: the model as it is placed (verify puts it in float64 where it fits, else float32), optionally
   with each micro-batch's share of the gradient.
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from finetune.labels import IGNORE_INDEX
+from finetune.core.labels import IGNORE_INDEX
 
 
 class WindowGradient(NamedTuple):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import Seq2SeqTrainer
 
-from finetune.trainer import TokenNormTrainer
+from finetune.core.trainer import TokenNormTrainer
 
 
 class TokenNormSeq2SeqTrainer(TokenNormTrainer, Seq2SeqTrainer):

@@ -18,7 +18,7 @@ from transformers.loss.loss_utils import (
 )
 from transformers.trainer_utils import unwrap_peft_model
 
-from finetune.loss import CAUSAL_LM, SAMPLE, SEQ2SEQ, TOKEN
+from finetune.core.loss import CAUSAL_LM, SAMPLE, SEQ2SEQ, TOKEN
 
 
 def _registered_loss_types() -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from finetune import token_mean
+from finetune.core import token_mean
 
 
 class StepVerdict:

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from finetune.labels import IGNORE_INDEX
+from finetune.core.labels import IGNORE_INDEX
 
 CAUSAL_LM, TOKEN, SEQ2SEQ, SAMPLE = "causal_lm", "token", "seq2seq", "sample"
 LOSS_KINDS = (CAUSAL_LM, TOKEN, SEQ2SEQ, SAMPLE)
