@@ -1,17 +1,21 @@
 """`build(cfg, …)`: the trainer a recipe trains with, ready for `.train()`; nothing is written yet.
 
-Top to bottom: launch settings and precision vs this machine → tokenizer → data and the eval set → batching → lr
-and schedule → arguments → model → trainer. Each step is given the recipe sections it reads, and everything the
-trainer needs comes in as constructor arguments (its class, extra callbacks, the stop request, the device's peak
-FLOP/s), so nothing is set on it afterwards. `train.micro_batch_size: auto` is resolved into a new config before
-`build` is called (finetune/tools/plan.py, whose memory trials build trainers here themselves). The commands in
+Top to bottom: the run plan (every fact the recipe implies for this launch, resolved once: finetune/recipe/run_plan.py)
+→ launch settings and precision vs this machine → tokenizer and the kind of rows → data and the eval sets → steps,
+lr and schedule → arguments → model → trainer. Each step is given the recipe sections it reads and the plan, and
+everything the trainer needs comes in as constructor arguments (its class, extra callbacks, the stop request, the
+device's peak FLOP/s), so nothing is set on it afterwards. `train.micro_batch_size: auto` is resolved into a new
+config and plan before `build` is called (finetune/tools/plan.py, whose memory trials build trainers here
+themselves). The commands in
 finetune/tools/, the scripts and the tests use it; it imports the wings (recipe, data, model, training), never a command
 or an entry script.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback, set_seed
@@ -19,14 +23,14 @@ from transformers import TrainerCallback, set_seed
 from finetune.data import batching, heldout, mixture
 from finetune.data.chat_templates import use_chat_template
 from finetune.data.prompts import sample_prompts
-from finetune.data.vision import VisionCollator
+from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
 from finetune.model import loading, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
-from finetune.recipe import Config, RecipeError, accumulation_steps, eval_batching, evaluates, training_batching
+from finetune.recipe import Config, RecipeError, RunPlan, resolve_plan
 from finetune.recipe.checks import precision_on_device, precision_warning
-from finetune.recipe.set_checks import eval_set_names, ignored_eval_keys
+from finetune.recipe.set_checks import ignored_eval_keys
 from finetune.training import distributed, evaluation, reporting, schedules
 from finetune.training.arguments import training_arguments
 from finetune.training.recipe_trainer import RecipeTrainer
@@ -34,6 +38,7 @@ from finetune.training.recipe_trainer import RecipeTrainer
 
 def build(
     cfg: Config,
+    plan: RunPlan | None = None,
     *,
     trainer_cls: type[RecipeTrainer] = RecipeTrainer,
     callbacks: Iterable[TrainerCallback] = (),
@@ -43,55 +48,46 @@ def build(
 ) -> RecipeTrainer:
     """The trainer this recipe trains with: `trainer_cls` (RecipeTrainer or a subclass) given the recipe's model,
     data, arguments and callbacks plus `callbacks`, `stop_request` (finetune.training.lifecycle.StopRequest) and
-    `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `evaluate=False`:
-    no evaluation (the held-out rows stay out of training all the same)."""
-    check_machine(cfg)
-    ranks = world_size()
-    accumulation = accumulation_steps(cfg, ranks)
+    `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `plan`: the
+    recipe's run plan (default: resolved for this launch's ranks). `evaluate=False`: no evaluation (the held-out
+    rows stay out of training all the same)."""
+    plan = plan if plan is not None else resolve_plan(cfg, world_size())
+    check_machine(cfg, plan)
     reporting.configure_wandb(cfg)
-
-    folder, vision, tokenizer = load_tokenizer(cfg)
-    inputs = vlm.forward_image_inputs(cfg.model, folder) if vision else None
-
-    # data, the eval set and batching, before the model: a bad row fails in seconds
-    batches, eval_sets, prompts = load_data(cfg, tokenizer, vision, evaluate, inputs)
-    total_steps = batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
-
-    # learning rate and schedule, from the effective batch
-    lr = schedules.peak_lr(cfg)
-    reporting.main_print(schedules.startup_line(cfg, ranks, accumulation, total_steps))
+    folder, rows, tokenizer = load_tokenizer(cfg, plan)
+    data = load_data(cfg, plan, tokenizer, rows, evaluate)  # before the model: a bad row fails in seconds
+    total_steps = batching.count_optimizer_steps(cfg.train, data.batches, plan.ranks, plan.accumulation)
+    reporting.main_print(schedules.startup_line(cfg, plan, total_steps))
     if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
         reporting.main_print(note)
-
-    args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
-    model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
+    args = training_arguments(cfg, plan, data.batches, evaluating=bool(data.eval_sets))  # before the model
+    model = load_model(cfg, folder, tokenizer, rows, packs=plan.packs if data.eval_sets else plan.training.packs)
     return trainer_cls(
         model=model,
         args=args,
-        train_dataset=batches.dataset,
-        data_collator=batches.collator,
+        train_dataset=data.batches.dataset,
+        data_collator=data.batches.collator,
         processing_class=tokenizer,
-        callbacks=[
-            reporting.StepCountCheck(total_steps),
-            *distributed.callbacks(),
-            *reporting.callbacks(cfg),
-            *callbacks,
-            *(evaluation.callbacks(cfg, prompts) if eval_sets else ()),
-        ],
+        callbacks=[*run_callbacks(cfg, total_steps), *callbacks, *data.eval_callbacks(cfg)],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
-        peak_lr=lr,
+        peak_lr=plan.peak_lr,
         on_nonfinite=cfg.train.on_nonfinite,
         stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
-        **(eval_parts(cfg, eval_sets) if eval_sets else {}),
+        **data.eval_parts(cfg),
     )
 
 
-def check_machine(cfg: Config) -> None:
+def run_callbacks(cfg: Config, total_steps: int) -> list[TrainerCallback]:
+    """The step-count guard, the launcher's own callbacks and the recipe's reporting (console, W&B, timings)."""
+    return [reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg)]
+
+
+def check_machine(cfg: Config, plan: RunPlan) -> None:
     """accelerate launch's settings and this device's precision vs the recipe (a warning for bf16 weights)."""
-    distributed.check_launch(cfg)
+    distributed.check_launch(cfg, plan)
     gpu = torch.cuda.get_device_name() if reporting.has_accelerator() else None
     problem = precision_on_device(cfg, gpu, gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False))
     if problem:
@@ -100,49 +96,70 @@ def check_machine(cfg: Config) -> None:
         reporting.main_print(f"warning: {warning}")
 
 
-def load_tokenizer(cfg: Config):
-    """(the model's folder, whether it takes images, its tokenizer or processor): a GGUF is converted once into a
+def load_tokenizer(cfg: Config, plan: RunPlan):
+    """(the model's folder, the kind of rows it reads, its tokenizer or processor): a GGUF is converted once into a
     plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
     folder = loading.model_folder(cfg.model)
-    vision = vlm.is_vlm(cfg, folder)
+    vision = vlm.is_vlm(cfg, plan, folder)
+    rows = image_text_rows(vlm.forward_image_inputs(cfg.model, folder)) if vision else TEXT_ROWS
     check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
     use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
-    return folder, vision, tokenizer
+    return folder, rows, tokenizer
 
 
-def load_data(cfg: Config, tokenizer, vision: bool, evaluate: bool, inputs=None):
-    """(the training micro-batches, {name: eval set}, the sample prompts); no eval set ({}) without one or with
-    `evaluate=False`. One unnamed eval set is named "". Image rows get `inputs` (finetune/data/image_inputs.py)."""
+@dataclass
+class RunData:
+    """The training micro-batches, the eval sets ({} without evaluation; one unnamed set is named "") and the
+    prompts samples are generated from at each evaluation."""
+
+    batches: batching.Batches
+    eval_sets: dict = field(default_factory=dict)
+    prompts: list = field(default_factory=list)
+
+    def eval_callbacks(self, cfg: Config) -> list[TrainerCallback]:
+        return evaluation.callbacks(cfg, self.prompts) if self.eval_sets else []
+
+    def eval_parts(self, cfg: Config) -> dict:
+        """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
+        log line: finetune/training/recipe_trainer.py); none without evaluation."""
+        if not self.eval_sets:
+            return {}
+        sets = self.eval_sets
+        first = next(iter(sets.values()))
+        setup = evaluation.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), cfg.eval.best_checkpoint)
+        datasets = first.dataset if list(sets) == [""] else {name: s.dataset for name, s in sets.items()}
+        return {"eval_dataset": datasets, "eval_setup": setup}
+
+
+def load_data(cfg: Config, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bool) -> RunData:
+    """The training micro-batches and, where the recipe evaluates and `evaluate`, its eval sets and sample prompts."""
     data, seed = cfg.data, cfg.train.seed
     load_rows = mixture.load_mixture if data.mixture else heldout.load_training_set
-    dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, vision)
+    dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, rows)
     reporting.main_print(f"data: {report.summary()}")
-    eval_sets, prompts = {}, []
     if ignored := ignored_eval_keys(cfg):  # eval.fraction=0 alone turns evaluation off
         reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {', '.join(ignored)} ignored")
-    if evaluate and evaluates(cfg):
+    batches = batching.prepare(plan.training, dataset, rows.text_tokenizer(tokenizer), seed)
+    run_data = RunData(batches=dataclasses.replace(batches, collator=rows.collator(batches.collator, tokenizer)))
+    if evaluate and plan.evaluation is not None:
         training = None if data.streaming else dataset
-        eval_sets = heldout.load_eval_sets(
-            cfg.eval, data, held, eval_set_names(cfg), training, seed, tokenizer, vision, inputs
+        run_data.eval_sets = heldout.load_eval_sets(
+            cfg.eval, plan.evaluation, data, held, plan.eval_sets, training, seed, tokenizer, rows
         )
-        for eval_set in eval_sets.values():
+        for eval_set in run_data.eval_sets.values():
             reporting.main_print(eval_set.summary)
-        prompts = eval_prompts(cfg, next(iter(eval_sets.values())), tokenizer, vision)
-    batches = batching.prepare(training_batching(cfg), dataset, tokenizer.tokenizer if vision else tokenizer, seed)
-    if vision:  # the image processor's tensors join each text batch
-        batches.collator = VisionCollator(batches.collator, tokenizer, inputs)
-    return batches, eval_sets, prompts
+        run_data.prompts = eval_prompts(cfg, next(iter(run_data.eval_sets.values())), tokenizer, rows.images)
+    return run_data
 
 
-def load_model(cfg: Config, folder: str, tokenizer, vision: bool, evaluating: bool):
+def load_model(cfg: Config, folder: str, tokenizer, rows: RowKind, packs: bool):
     """The model, the same initial weights on every rank and in every run (from_config is seeded); packed rows get
     per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying
     why)."""
     set_seed(cfg.train.seed)
-    model = vlm.load_vlm(cfg.model, folder, tokenizer) if vision else loading.load_model(cfg.model, folder)
+    model = vlm.load_vlm(cfg.model, folder, tokenizer) if rows.images else loading.load_model(cfg.model, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
-    packs = training_batching(cfg).packs or (evaluating and eval_batching(cfg.eval).packs)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
     return model
@@ -152,16 +169,6 @@ def eval_prompts(cfg: Config, eval_set: heldout.EvalSet, tokenizer, vision: bool
     """The held-out prompts samples are generated from at each evaluation (eval.samples, eval.prompts)."""
     ev = cfg.eval
     return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)
-
-
-def eval_parts(cfg: Config, eval_sets: dict) -> dict:
-    """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
-    log line: finetune/training/recipe_trainer.py)."""
-    first = next(iter(eval_sets.values()))
-    tokens = sum(s.tokens for s in eval_sets.values())
-    setup = evaluation.EvalSetup(first.collator, tokens, cfg.eval.best_checkpoint)
-    datasets = first.dataset if list(eval_sets) == [""] else {name: s.dataset for name, s in eval_sets.items()}
-    return {"eval_dataset": datasets, "eval_setup": setup}
 
 
 def recipe_peak_flops(cfg: Config) -> float | None:

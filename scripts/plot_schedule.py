@@ -18,17 +18,16 @@ import sys
 SCRIPT_KEYS = ("out", "ranks")
 
 
-def count_steps_from_data(cfg, ranks: int, accumulation: int) -> int:
+def count_steps_from_data(cfg, plan) -> int:
     from finetune.data import batching
     from finetune.data.text import load_sft_dataset
     from finetune.model.loading import load_tokenizer, model_folder
-    from finetune.recipe import training_batching
 
     tokenizer = load_tokenizer(cfg.model, model_folder(cfg.model))
     dataset, report = load_sft_dataset(cfg.data, tokenizer)
     print(f"data: {report.summary()}")
-    batches = batching.prepare(training_batching(cfg), dataset, tokenizer, cfg.train.seed)
-    return batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
+    batches = batching.prepare(plan.training, dataset, tokenizer, cfg.train.seed)
+    return batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
 
 
 def plot(lrs: list[float], title: str, out: str) -> None:
@@ -63,8 +62,8 @@ def plot(lrs: list[float], title: str, out: str) -> None:
 
 def main(argv: list[str]) -> int:
     from finetune import env
-    from finetune.recipe import RecipeError, accumulation_steps, load_config
-    from finetune.training.schedules import format_lr, lr_per_step, peak_lr, startup_line
+    from finetune.recipe import RecipeError, load_config, resolve_plan
+    from finetune.training.schedules import format_lr, lr_per_step, startup_line
 
     options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in SCRIPT_KEYS}
     recipe_args = [a for a in argv if a.split("=", 1)[0] not in SCRIPT_KEYS]
@@ -76,13 +75,14 @@ def main(argv: list[str]) -> int:
         ranks = int(ranks_text)
         os.environ["WORLD_SIZE"] = str(ranks)  # load_config checks the batch arithmetic for this many ranks
         cfg = load_config(recipe_args)
-        accumulation = accumulation_steps(cfg, ranks)
-        total = cfg.train.max_steps if cfg.train.max_steps > 0 else count_steps_from_data(cfg, ranks, accumulation)
-        lrs = lr_per_step(total, cfg.schedule, peak_lr(cfg))
+        plan = resolve_plan(cfg, ranks)
+        accumulation = plan.accumulation
+        total = cfg.train.max_steps if cfg.train.max_steps > 0 else count_steps_from_data(cfg, plan)
+        lrs = lr_per_step(total, cfg.schedule, plan.peak_lr)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(startup_line(cfg, ranks, accumulation, total))
+    print(startup_line(cfg, plan, total))
     recipe = os.path.basename(cfg.recipe) if cfg.recipe else "defaults"
     title = (
         f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"

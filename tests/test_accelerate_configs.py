@@ -11,13 +11,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.recipe import RecipeError, load_config
+from finetune.env import world_size
+from finetune.recipe import RecipeError, load_config, resolve_plan
 from finetune.training.distributed import accelerator_config, check_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 DEBUG = [f"recipe={ROOT / 'recipes' / 'debug.yaml'}"]  # micro 4, global 8
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+
+def launch_check(cfg, env):
+    """What finetune/tools/train.py does before torch loads: the plan for the launch's ranks, then the launch check."""
+    return check_launch(cfg, resolve_plan(cfg, world_size(env)), env)
 
 
 def launch_env(name: str, num_processes: int, *flags: str) -> dict[str, str]:
@@ -46,7 +52,7 @@ def test_every_shipped_config_agrees_with_a_recipe_it_can_run(name, ranks):
     env = launch_env(name, ranks)
     assert env["ACCELERATE_MIXED_PRECISION"] == "no"  # precision comes from the recipe
     for precision in ("fp32", "bf16"):
-        check_launch(load_config([*DEBUG, f"train.precision={precision}"]), env)
+        launch_check(load_config([*DEBUG, f"train.precision={precision}"]), env)
 
 
 def test_fsdp2_config_shards_fully_and_checkpoints_sharded():
@@ -124,11 +130,11 @@ def test_mixed_precision_that_contradicts_the_recipe_says_which_to_change():
         match=r"mixed_precision=bf16 but the recipe has train.precision=fp32; pass "
         r"train.precision=bf16, or remove mixed_precision",
     ):
-        check_launch(load_config(DEBUG), env)
+        launch_check(load_config(DEBUG), env)
     with pytest.raises(RecipeError, match=r"mixed_precision=fp16 .* train.precision=bf16"):
-        check_launch(load_config([*DEBUG, "train.precision=bf16"]), {"ACCELERATE_MIXED_PRECISION": "fp16"})
-    check_launch(load_config([*DEBUG, "train.precision=bf16"]), env)  # agreeing is fine
-    check_launch(load_config([*DEBUG, "train.precision=bf16"]), {"ACCELERATE_MIXED_PRECISION": "no"})  # default
+        launch_check(load_config([*DEBUG, "train.precision=bf16"]), {"ACCELERATE_MIXED_PRECISION": "fp16"})
+    launch_check(load_config([*DEBUG, "train.precision=bf16"]), env)  # agreeing is fine
+    launch_check(load_config([*DEBUG, "train.precision=bf16"]), {"ACCELERATE_MIXED_PRECISION": "no"})  # default
 
 
 def test_a_rank_count_that_does_not_divide_the_global_batch_names_the_numbers(monkeypatch):
@@ -138,7 +144,7 @@ def test_a_rank_count_that_does_not_divide_the_global_batch_names_the_numbers(mo
         match=r"train.global_batch_size=8 is not divisible by train.micro_batch_size=4 "
         r"× 3 ranks = 12; set train.global_batch_size to a multiple of 12",
     ):
-        check_launch(cfg, {"WORLD_SIZE": "3"})
+        launch_check(cfg, {"WORLD_SIZE": "3"})
     monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets in every rank: load_config already refuses
     with pytest.raises(RecipeError, match=r"× 3 ranks = 12"):
         load_config(DEBUG)
@@ -163,7 +169,7 @@ def test_hard_coded_deepspeed_values_that_disagree_name_both_keys(tmp_path):
     }
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, ds)}
     with pytest.raises(RecipeError) as error:
-        check_launch(cfg, env)
+        launch_check(cfg, env)
     message = str(error.value)
     assert "DeepSpeed train_batch_size=16" in message and "train.global_batch_size=8" in message
     assert "DeepSpeed gradient_clipping=0.5" in message and "train.max_grad_norm=1.0" in message
@@ -182,8 +188,8 @@ def test_accumulation_from_the_accelerate_config_must_match_the_recipe(tmp_path)
         r"\(deepspeed_config\) disagrees with the recipe's 4 \(from "
         r"train.global_batch_size over 2 ranks",
     ):
-        check_launch(cfg, env)
-    check_launch(cfg, {**env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
+        launch_check(cfg, env)
+    launch_check(cfg, {**env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
     auto = {
         "train_batch_size": "auto",
         "gradient_accumulation_steps": "auto",
@@ -191,7 +197,7 @@ def test_accumulation_from_the_accelerate_config_must_match_the_recipe(tmp_path)
         "bf16": {"enabled": "auto"},
         "zero_optimization": {"stage": 3},
     }
-    check_launch(
+    launch_check(
         cfg,
         {
             **env,
@@ -204,7 +210,7 @@ def test_accumulation_from_the_accelerate_config_must_match_the_recipe(tmp_path)
 def test_a_missing_deepspeed_file_is_named():
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "nowhere/ds.json"}
     with pytest.raises(RecipeError, match=r"DeepSpeed config file 'nowhere/ds.json' .* not found"):
-        check_launch(load_config(DEBUG), env)
+        launch_check(load_config(DEBUG), env)
 
 
 def test_sync_each_batch_reaches_the_accelerator():
@@ -274,7 +280,7 @@ def test_a_planned_micro_batch_leaves_only_the_batch_keys_unchecked(tmp_path):
         "WORLD_SIZE": "3",
     }
     with pytest.raises(RecipeError) as error:
-        check_launch(cfg, env)
+        launch_check(cfg, env)
     assert "gradient_clipping=0.5" in str(error.value) and "train_batch_size" not in str(error.value)
 
 
@@ -282,5 +288,5 @@ def test_a_planned_micro_batch_leaves_only_the_batch_keys_unchecked(tmp_path):
 def test_layerwise_optimizers_are_refused_under_zero(name):
     env = launch_env("zero2", 2)
     with pytest.raises(RecipeError, match=rf"optim.name={name} computes a trust ratio per parameter tensor"):
-        check_launch(load_config([*DEBUG, f"optim.name={name}"]), env)
-    check_launch(load_config([*DEBUG, f"optim.name={name}"]), launch_env("ddp", 2))  # fine under DDP
+        launch_check(load_config([*DEBUG, f"optim.name={name}"]), env)
+    launch_check(load_config([*DEBUG, f"optim.name={name}"]), launch_env("ddp", 2))  # fine under DDP

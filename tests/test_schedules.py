@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.recipe import RecipeError, ScheduleConfig, load_config
+from finetune.recipe import RecipeError, ScheduleConfig, load_config, resolve_plan
+from finetune.recipe.run_plan import peak_lr, scaled_lr
 from finetune.training.schedules import (
     build_scheduler,
     check_schedule,
     describe_batch_and_lr,
     lr_per_step,
-    peak_lr,
-    scaled_lr,
     startup_line,
 )
 from tests.launch import TWO_RANKS
@@ -158,7 +157,9 @@ def test_start_up_line_of_a_token_budget_recipe_reads_the_base_in_tokens():
         ]
     )
     assert peak_lr(cfg) == pytest.approx(2e-3, rel=1e-15)
-    assert startup_line(cfg, 1, 8, 10) == (
+    plan = resolve_plan(cfg, 1)
+    assert (plan.accumulation, plan.peak_lr) == (8, peak_lr(cfg))
+    assert startup_line(cfg, plan, 10) == (
         "effective batch 4096 tokens = micro 512 tokens × accumulation 8 × 1 rank; "
         "lr 1e-3 → 2e-3 (linear rule, base 2048 tokens); 10 optimizer steps"
     )

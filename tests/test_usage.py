@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from finetune.recipe import Config, MixtureSource, RecipeError, accumulation_steps, load_config
+from finetune.recipe import Config, MixtureSource, RecipeError, accumulation_steps, load_config, resolve_plan
 from finetune.recipe.loading import _all_keys
 from finetune.recipe.usage import help_request, help_text, schema_keys, sections
 from finetune.tools import dry_run, plan, train, verify
@@ -86,7 +86,7 @@ def test_help_request(argv, asked):
 
 def dry_run_page(capsys, argv: list[str]) -> tuple[Config, str, list[str]]:
     cfg = load_config(argv)
-    assert dry_run.dry_run(cfg) == 0
+    assert dry_run.dry_run(cfg, resolve_plan(cfg, 1)) == 0
     out = capsys.readouterr().out
     return cfg, out, [line.removeprefix("#   ") for line in out.splitlines() if line.startswith("#   ")]
 
@@ -119,9 +119,10 @@ def test_dry_run_counts_epochs_as_build_does(capsys):
 
     argv = ["recipe=recipes/debug.yaml", "train.max_steps=-1", "train.epochs=2", "schedule.warmup_ratio=0.2"]
     cfg, _, plan_lines = dry_run_page(capsys, argv)
-    _, vision, tokenizer = load_tokenizer(cfg)
-    batches, _, _ = load_data(cfg, tokenizer, vision, evaluate=False)
-    steps = batching.count_optimizer_steps(cfg.train, batches, 1, accumulation_steps(cfg, 1))
+    plan = resolve_plan(cfg, 1)
+    _, rows, tokenizer = load_tokenizer(cfg, plan)
+    batches = load_data(cfg, plan, tokenizer, rows, evaluate=False).batches
+    steps = batching.count_optimizer_steps(cfg.train, batches, 1, plan.accumulation)
     assert f"; {steps} optimizer steps (train.epochs=2, counted from the data)" in plan_lines[0]
     assert plan_lines[1].startswith(f"warmup {-(-steps // 5)} optimizer step")
 

@@ -22,7 +22,7 @@ from finetune.data import shapes_captions
 from finetune.data.vision import VisionCollator, load_vision_dataset, open_image
 from finetune.model.llava import IMAGE_TOKEN, llava_processor
 from finetune.model.vlm import is_vlm, prepare_vlm
-from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, load_config
+from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, load_config, resolve_plan
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 from tests.data_files import write_jsonl
@@ -175,7 +175,7 @@ def test_shapes_captions_with_a_text_model_is_a_recipe_error(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "text")
     cfg = load_config([f"model.name_or_path={tmp_path / 'text'}", "data.source=shapes_captions"])
     with pytest.raises(RecipeError, match="shapes_captions is an image set .* set model.vision_config"):
-        is_vlm(cfg, str(tmp_path / "text"))
+        is_vlm(cfg, resolve_plan(cfg, 1), str(tmp_path / "text"))
 
 
 # ---- exactness with pixel inputs ----

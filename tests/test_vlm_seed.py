@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe import accumulation_steps, load_config
-from finetune.training.schedules import peak_lr
+from finetune.recipe.run_plan import peak_lr
 from tests.launch import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[1]

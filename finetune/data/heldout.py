@@ -28,12 +28,11 @@ from finetune.core.labels import IGNORE_INDEX
 from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups, row_collator
 from finetune.data.formats import form, rows_as_read
 from finetune.data.report import DataReport
-from finetune.data.sources import Record, read_records
+from finetune.data.row_kinds import RowKind
+from finetune.data.sources import Record
 from finetune.data.streaming import stream_sft_dataset
-from finetune.data.text import load_sft_dataset
-from finetune.data.vision import VisionCollator, load_vision_dataset, vision_records
 from finetune.env import world_size
-from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, eval_batching, mixture_names
+from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, mixture_names
 
 QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json
 
@@ -181,21 +180,20 @@ class HeldOut:
     how: str  # "N rows (M modules) held out of SOURCE"
 
 
-def load_training_set(data: DataConfig, fraction: float, seed: int, tokenizer, vision: bool):
+def load_training_set(data: DataConfig, fraction: float, seed: int, tokenizer, rows: RowKind):
     """(the training dataset, its DataReport, the rows held out of it or None): data.source read, tokenized and
     labelled, less the share `fraction` (eval.fraction) held out. `tokenizer` is the processor of a VLM recipe."""
     if data.streaming:
         dataset, report = stream_sft_dataset(data, tokenizer, seed, endless=True)
         return dataset, report, None
-    load = load_vision_dataset if vision else load_sft_dataset
     if not fraction:
-        return (*load(data, tokenizer), None)
+        return (*rows.load(data, tokenizer), None)
     read = DataReport(source=data.source)
-    records = vision_records(data, read) if vision else read_records(data, read)
+    records = rows.read(data, read)
     if not records:
         raise RecipeError(f"data.source={data.source}: no rows to read")
     train_records, held, how = split_records(records, fraction, seed, data.source)
-    return (*load(data, tokenizer, records=train_records), HeldOut(held, how))
+    return (*rows.load(data, tokenizer, records=train_records), HeldOut(held, how))
 
 
 @dataclass
@@ -209,13 +207,11 @@ class EvalRows:
     how: str  # for the start-up line
 
 
-def _read_eval_rows(ev: EvalConfig, data: DataConfig, key: str, source: str, vision: bool) -> EvalRows:
+def _read_eval_rows(ev: EvalConfig, data: DataConfig, key: str, source: str, rows: RowKind) -> EvalRows:
     reading = eval_reading(ev, data, source, ev.split)
     with named(key, source):
         read = DataReport(source=source)
-        return EvalRows(
-            key, source, reading, vision_records(reading, read) if vision else read_records(reading, read), key
-        )
+        return EvalRows(key, source, reading, rows.read(reading, read), key)
 
 
 def _held_rows(ev: EvalConfig, data: DataConfig, held: HeldOut, source: str) -> EvalRows:
@@ -225,7 +221,7 @@ def _held_rows(ev: EvalConfig, data: DataConfig, held: HeldOut, source: str) -> 
     return EvalRows(key, source, eval_reading(ev, data, source, data.split), records, held.how + used)
 
 
-def eval_rows(ev: EvalConfig, data: DataConfig, held, names: list[str], vision: bool) -> dict[str, EvalRows]:
+def eval_rows(ev: EvalConfig, data: DataConfig, held, names: list[str], rows: RowKind) -> dict[str, EvalRows]:
     """{name: its rows} of every eval set; one set without a name ("") unless the recipe names several
     (recipe.eval_set_names). `held`: rows held out of data.source (HeldOut), or of each mixture source by name."""
     found: dict[str, EvalRows] = {}
@@ -235,52 +231,55 @@ def eval_rows(ev: EvalConfig, data: DataConfig, held, names: list[str], vision: 
     elif held is not None:
         found["heldout"] = _held_rows(ev, data, held, data.source)
     if ev.source:
-        found["eval"] = _read_eval_rows(ev, data, f"eval.source={ev.source}", ev.source, vision)
+        found["eval"] = _read_eval_rows(ev, data, f"eval.source={ev.source}", ev.source, rows)
     for name, source in ev.sets.items():
-        found[name] = _read_eval_rows(ev, data, f"eval.sets.{name}={source}", source, vision)
+        found[name] = _read_eval_rows(ev, data, f"eval.sets.{name}={source}", source, rows)
     return found if names else {"": next(iter(found.values()))}
 
 
 def load_eval_sets(
-    ev: EvalConfig, data: DataConfig, held, names: list[str], training, seed: int, tokenizer, vision, inputs=None
+    ev: EvalConfig,
+    batching: Batching,
+    data: DataConfig,
+    held,
+    names: tuple[str, ...],
+    training,
+    seed: int,
+    tokenizer,
+    rows: RowKind,
 ):
     """{name: EvalSet} of the recipe's eval sets ("" for its one unnamed set), each read as training rows are,
-    checked against the `training` dataset, batched as the eval section says (image rows: with `inputs`, what the
-    VLM's forward takes beside them)."""
+    checked against the `training` dataset, batched as the plan says (`batching`)."""
     return {
-        name: load_eval_set(rows, ev, training, seed, tokenizer, vision, name, inputs)
-        for name, rows in eval_rows(ev, data, held, names, vision).items()
+        name: load_eval_set(found, ev, batching, training, seed, tokenizer, rows, name)
+        for name, found in eval_rows(ev, data, held, list(names), rows).items()
     }
 
 
 def load_eval_set(
-    rows_of: EvalRows, ev: EvalConfig, training, seed: int, tokenizer, vision: bool, name: str = "", inputs=None
+    rows_of: EvalRows, ev: EvalConfig, batching: Batching, training, seed: int, tokenizer, rows: RowKind, name: str = ""
 ):
     """One eval set: its rows read as training rows are, checked against the `training` dataset (None: a stream,
     not known up front), batched as the eval section says."""
     key, source, config, records = rows_of.key, rows_of.source, rows_of.reading, rows_of.records
-    load = load_vision_dataset if vision else load_sft_dataset
     with named(key, source):
         if not records:
             raise RecipeError(f"data.source={source}: no rows to read")
-        held_rows, eval_report = load(config, tokenizer, records=records)
-    rows = held_rows.to_list()
+        held_rows, eval_report = rows.load(config, tokenizer, records=records)
+    items = held_rows.to_list()
     if training is not None:  # a stream is not known up front
-        check_no_overlap(training, rows, key)
-    lengths = [len(r["input_ids"]) for r in rows]
-    batching = eval_batching(ev)
+        check_no_overlap(training, items, key)
+    lengths = [len(r["input_ids"]) for r in items]
     groups = eval_groups(lengths, batching, seed)
     count = len(groups)
-    pad_for_ranks(rows, groups, world_size())
-    collator = MicroBatchCollator(row_collator(batching, tokenizer.tokenizer if vision else tokenizer))
-    if vision:  # the image processor's tensors join each text batch
-        collator = VisionCollator(collator, tokenizer, inputs)
+    pad_for_ranks(items, groups, world_size())
+    collator = rows.collator(MicroBatchCollator(row_collator(batching, rows.text_tokenizer(tokenizer))), tokenizer)
     when = (f"every {ev.every_steps} optimizer steps, " if ev.every_steps else "") + "before the first step, at the end"
     summary = (
         f"eval{' ' + name if name else ''}: {rows_of.how}; {eval_report.summary()}; {count} {ev.batching} micro-batch"
         f"{'es' if count != 1 else ''}; {when}"
     )
-    dataset = MicroBatches(rows, groups)
+    dataset = MicroBatches(items, groups)
     return EvalSet(
         dataset,
         collator,

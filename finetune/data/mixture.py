@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from finetune.data.heldout import load_training_set
 from finetune.data.report import DataReport
+from finetune.data.row_kinds import RowKind
 from finetune.recipe import DataConfig, RecipeError, mixture_names
 
 
@@ -62,15 +63,15 @@ def part_data(data: DataConfig, part) -> DataConfig:
     )
 
 
-def load_mixture(data: DataConfig, fraction: float, seed: int, tokenizer, vision: bool):
+def load_mixture(data: DataConfig, fraction: float, seed: int, tokenizer, rows: RowKind):
     """(the mixed training dataset, its MixtureReport, {name: rows held out of that source} or None)."""
     import datasets
 
-    if vision:
+    if rows.images:
         raise RecipeError("data.mixture mixes text sources; an image+text recipe reads one data.source")
     names, loaded, held = mixture_names(data), [], {}
     for name, part in zip(names, data.mixture):
-        dataset, report, held_out = load_training_set(part_data(data, part), fraction, seed, tokenizer, vision)
+        dataset, report, held_out = load_training_set(part_data(data, part), fraction, seed, tokenizer, rows)
         loaded.append((dataset, report))
         if held_out is not None:
             held[name] = held_out

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from finetune.data.image_inputs import ImageInputs
-from finetune.recipe import Config, RecipeError, evaluates
+from finetune.recipe import ModelConfig, RecipeError, RunPlan
 
 
 def image_text_class(config):
@@ -67,15 +67,15 @@ def packing_refusal(config) -> str | None:
     return None
 
 
-def check_packing(cfg: Config, config) -> None:
+def check_packing(model: ModelConfig, plan: RunPlan, config) -> None:
     """Refuse packed image rows (training or evaluation) for a VLM that cannot pack them exactly."""
-    asked = ["data.batching"] if cfg.data.batching == "packed" else []
-    if evaluates(cfg) and cfg.eval.batching == "packed":
+    asked = ["data.batching"] if plan.training.mode == "packed" else []
+    if plan.evaluation is not None and plan.evaluation.mode == "packed":
         asked.append("eval.batching")
     why = packing_refusal(config) if asked else None
     if why:
         raise RecipeError(
-            f"model.name_or_path={cfg.model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
+            f"model.name_or_path={model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
             f"its image rows exactly: {why}; set {' and '.join(k + '=token_budget' for k in asked)} (rows of similar "
             "length batched to a token budget: most of packing's speed, each row attended alone) or padded"
         )

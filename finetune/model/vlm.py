@@ -17,12 +17,12 @@ from finetune.model.freeze import freeze
 from finetune.model.image_rows import check_packing, image_inputs
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
-from finetune.recipe import Config, ModelConfig, RecipeError, first_line
+from finetune.recipe import Config, ModelConfig, RecipeError, RunPlan, first_line
 
 SHAPES = "shapes_captions"
 
 
-def is_vlm(cfg: Config, folder: str) -> bool:
+def is_vlm(cfg: Config, plan: RunPlan, folder: str) -> bool:
     """A recipe trains a VLM when it assembles one (model.vision_config) or its model's config has a vision part."""
     config = None
     if not cfg.model.vision_config:
@@ -41,7 +41,7 @@ def is_vlm(cfg: Config, folder: str) -> bool:
             "set model.vision_config (see recipes/vlm.yaml) or use a vision-language model"
         )
     if vision and config is not None:  # the assembled LLaVA (model.vision_config) packs
-        check_packing(cfg, config)
+        check_packing(cfg.model, plan, config)
     return vision
 
 

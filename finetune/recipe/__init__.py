@@ -12,6 +12,7 @@ from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
 from finetune.recipe.data_schema import MixtureSource
 from finetune.recipe.fields import RecipeError, first_line
 from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
+from finetune.recipe.run_plan import RunPlan, resolve_plan
 from finetune.recipe.schema import (
     CHOICES,
     OPEN_DICTS,
@@ -29,6 +30,8 @@ from finetune.recipe.schema import (
 from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, mixture_names, training_batching
 
 __all__ = [
+    "RunPlan",
+    "resolve_plan",
     "MODES",
     "Batching",
     "eval_batching",

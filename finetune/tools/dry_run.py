@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from finetune.env import is_main_process, world_size
-from finetune.recipe import Config, accumulation_steps, to_yaml
+from finetune.env import is_main_process
+from finetune.recipe import Config, RunPlan, to_yaml
 from finetune.recipe.usage import print_page
 
 
-def optimizer_steps(cfg: Config, ranks: int, accumulation: int) -> tuple[int, str]:
+def optimizer_steps(cfg: Config, plan: RunPlan) -> tuple[int, str]:
     """(the run's optimizer steps, where the number comes from), counted as `build` counts them."""
     from finetune.data import batching
 
@@ -30,29 +30,28 @@ def optimizer_steps(cfg: Config, ranks: int, accumulation: int) -> tuple[int, st
     from finetune.assemble import load_data, load_tokenizer
 
     with contextlib.redirect_stdout(sys.stderr):  # the data report lines
-        _, vision, tokenizer = load_tokenizer(cfg)
-        batches, _, _ = load_data(cfg, tokenizer, vision, evaluate=False)
-    steps = batching.count_optimizer_steps(cfg.train, batches, ranks, accumulation)
+        _, rows, tokenizer = load_tokenizer(cfg, plan)
+        batches = load_data(cfg, plan, tokenizer, rows, evaluate=False).batches
+    steps = batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
     return steps, f"train.epochs={cfg.train.epochs:g}, counted from the data"
 
 
-def plan_lines(cfg: Config, ranks: int) -> list[str]:
+def plan_lines(cfg: Config, plan: RunPlan) -> list[str]:
     """The plan: batch and lr, optimizer steps, warmup and schedule, precision."""
     from finetune.training import schedules
 
     s = cfg.schedule
+    ranks = plan.ranks
     precision = f"precision {cfg.train.precision} (weights loaded in {cfg.model.dtype})"
-    if cfg.train.micro_batch_size == "auto":
-        total, unit = schedules.global_batch_of(cfg)
+    if plan.accumulation is None:  # train.micro_batch_size=auto
         return [
-            f"effective batch {total} {unit} = micro auto × accumulation (planned when training starts; "
-            "finetune-plan shows the choice) × "
-            f"{ranks} rank{'s' if ranks != 1 else ''}; lr {schedules.format_lr(schedules.peak_lr(cfg))}",
+            f"effective batch {plan.global_batch} {plan.batch_unit} = micro auto × accumulation (planned when "
+            "training starts; finetune-plan shows the choice) × "
+            f"{ranks} rank{'s' if ranks != 1 else ''}; lr {schedules.format_lr(plan.peak_lr)}",
             f"schedule {s.name}",
             precision,
         ]
-    accumulation = accumulation_steps(cfg, ranks)
-    steps, source = optimizer_steps(cfg, ranks, accumulation)
+    steps, source = optimizer_steps(cfg, plan)
     schedules.check_schedule(steps, s)  # as build checks it: a warmup as long as the run is an error here too
     if s.name == "onecycle":
         shape = f"schedule onecycle (pct_start {s.pct_start:g}, div_factor {s.div_factor:g}, anneal {s.anneal})"
@@ -61,16 +60,15 @@ def plan_lines(cfg: Config, ranks: int) -> list[str]:
         shape = f"warmup {warmup} optimizer step{'s' if warmup != 1 else ''} ({s.warmup}); schedule {s.name}"
         shape += f" down to min_lr_ratio {s.min_lr_ratio:g}" if s.name != "constant" else ""
     return [
-        schedules.startup_line(cfg, ranks, accumulation, steps) + f" ({source})",
+        schedules.startup_line(cfg, plan, steps) + f" ({source})",
         shape,
         precision,
     ]
 
 
-def dry_run(cfg: Config) -> int:
+def dry_run(cfg: Config, plan: RunPlan) -> int:
     """Print the recipe and its plan on the main process; exit code 0."""
-    ranks = world_size()
-    lines = plan_lines(cfg, ranks)
+    lines = plan_lines(cfg, plan)
     if is_main_process():
         page = [
             f"# resolved recipe ({cfg.recipe or 'no recipe file'} + command line)",

@@ -32,7 +32,17 @@ import sys
 from dataclasses import dataclass, field
 
 from finetune import env
-from finetune.recipe import Config, RecipeError, check_config, is_budgeted, load_config, split_tool_args
+from finetune.recipe import (
+    Config,
+    RecipeError,
+    RunPlan,
+    check_config,
+    is_budgeted,
+    load_config,
+    resolve_plan,
+    split_tool_args,
+)
+from finetune.recipe.run_plan import scaled_lr
 from finetune.recipe.usage import Command, ToolKey, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.tools.memory_trials import GIB, Trials, available_bytes, eval_memory, fit_line
@@ -201,10 +211,8 @@ def nothing_fits(key: str, first: int, trials: Trials, measured: dict, limit: fl
 
 
 def planned_lr(cfg: Config, total: int) -> tuple[float, str]:
-    from finetune.training import schedules
-
     o = cfg.optim
-    lr = schedules.scaled_lr(o.lr, total, o.lr_scaling, o.base_batch_size)
+    lr = scaled_lr(o.lr, total, o.lr_scaling, o.base_batch_size)
     rule = f" ({o.lr_scaling} rule from {o.lr:g} at base {o.base_batch_size})" if o.lr_scaling != "none" else ""
     return lr, f"{lr:g}" + (rule or " (no scaling rule; the global batch is kept)")
 
@@ -236,9 +244,9 @@ def plan(
     )  # fmt: skip
 
 
-def resolve_auto_micro_batch(cfg: Config) -> Config:
+def resolve_auto_micro_batch(cfg: Config) -> tuple[Config, RunPlan]:
     """`train.micro_batch_size: auto`: plan on this machine (every rank), agree on the smallest choice; a new config
-    with that number, checked again (`cfg` itself is left as loaded)."""
+    with that number, checked again (`cfg` itself is left as loaded), and its run plan."""
     import gc
 
     import torch
@@ -268,7 +276,7 @@ def resolve_auto_micro_batch(cfg: Config) -> Config:
     )
     resolved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=choice))
     check_config(resolved)
-    return resolved
+    return resolved, resolve_plan(resolved, ranks)
 
 
 def main(argv: list[str] | None = None) -> int:

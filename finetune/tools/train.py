@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from finetune.env import cpu_threads
-from finetune.recipe import Config, load_config
+from finetune.env import cpu_threads, world_size
+from finetune.recipe import Config, RunPlan, load_config, resolve_plan
 from finetune.recipe.usage import Command, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.training import distributed
@@ -36,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
             print_page(text)
             return 0
         cfg = load_config([arg for arg in argv if arg != DRY_RUN])
-        distributed.check_launch(cfg)  # accelerate launch's settings vs the recipe, before torch loads
+        plan = resolve_plan(cfg, world_size())
+        distributed.check_launch(cfg, plan)  # accelerate launch's settings vs the recipe, before torch loads
         if DRY_RUN in argv:  # the recipe and what it implies, without loading the model
             from finetune.tools.dry_run import dry_run
 
-            return dry_run(cfg)
-        return train(cfg, argv=argv)
+            return dry_run(cfg, plan)
+        return train(cfg, argv=argv, plan=plan)
 
     # one `error:` line for what the user can fix (exit 2; 3: stopped on a non-finite value), a traceback for a bug
     return run_command(body)
@@ -61,9 +62,10 @@ def use_cpu_threads() -> None:
     reporting.main_print(f"cpu: {threads} thread{'s' if threads > 1 else ''} ({why})")
 
 
-def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> int:
-    """Train `cfg` to the end (or to a stop request), save, report; the exit code. RecipeError for what the user can
-    fix (NonFiniteError, exit code 3, when train.on_nonfinite=stop meets a NaN/inf)."""
+def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, plan: RunPlan | None = None) -> int:
+    """Train `cfg` (planned as `plan`, default: for this launch's ranks) to the end (or to a stop request), save,
+    report; the exit code. RecipeError for what the user can fix (NonFiniteError, exit code 3, when
+    train.on_nonfinite=stop meets a NaN/inf)."""
     from finetune.assemble import build
     from finetune.training import checkpoints, console, lifecycle, output_dir, reporting, resume_checks, run_summary
 
@@ -75,10 +77,11 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None) -> 
         if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
             from finetune.tools.plan import resolve_auto_micro_batch
 
-            cfg = resolve_auto_micro_batch(cfg)
+            cfg, plan = resolve_auto_micro_batch(cfg)
+        plan = plan or resolve_plan(cfg, world_size())
         record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
         ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
-        trainer = build(cfg, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)
+        trainer = build(cfg, plan, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)
         lifecycle.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
         if line := lifecycle.start_line(cfg.train, resume):

@@ -19,8 +19,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from finetune.env import world_size
-from finetune.recipe import Config, RecipeError, accumulation_steps, is_budgeted
+from finetune.recipe import Config, RecipeError, RunPlan, is_budgeted
 
 # accelerate's names for the precisions a recipe can ask for (train.precision)
 RECIPE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -53,17 +52,12 @@ def _precision_problem(cfg: Config, env: Mapping[str, str]) -> str | None:
     )
 
 
-def _batch_is_planned(cfg: Config) -> bool:
-    # train.micro_batch_size=auto is chosen when training starts: batch keys can be compared only after that.
-    return cfg.train.micro_batch_size != "auto"
-
-
-def _recipe_batch(cfg: Config, ranks: int) -> dict[str, tuple[float, str]]:
+def _recipe_batch(cfg: Config, plan: RunPlan) -> dict[str, tuple[float, str]]:
     """DeepSpeed key -> (the value the recipe implies, how the recipe says it)."""
     clipping = {"gradient_clipping": (cfg.train.max_grad_norm, f"train.max_grad_norm={cfg.train.max_grad_norm}")}
-    if not _batch_is_planned(cfg):
+    accumulation, ranks = plan.accumulation, plan.ranks
+    if accumulation is None:  # train.micro_batch_size=auto: the batch keys are compared once it is planned
         return clipping
-    accumulation = accumulation_steps(cfg, ranks)
     plural = "s" if ranks != 1 else ""
     if is_budgeted(cfg.data):
         micro, micro_text = 1, f"1 (data.batching={cfg.data.batching} fills each micro-batch by tokens)"
@@ -156,8 +150,8 @@ def _section_problems(where: str, values: dict, precision: str) -> list[str]:
     return problems
 
 
-def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
-    recipe = _recipe_batch(cfg, world_size(env))
+def _deepspeed_problems(cfg: Config, plan: RunPlan, env: Mapping[str, str]) -> list[str]:
+    recipe = _recipe_batch(cfg, plan)
     problems = []
     for where, values in _deepspeed_sources(env):
         problems += _batch_problems(where, values, recipe)
@@ -165,16 +159,15 @@ def _deepspeed_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def check_launch(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
-    """One RecipeError listing every way the launcher's settings contradict the recipe; nothing when they agree."""
-    if _batch_is_planned(cfg):
-        accumulation_steps(cfg, world_size(env))  # a rank count that does not divide the global batch: the numbers
+def check_launch(cfg: Config, plan: RunPlan, env: Mapping[str, str] = os.environ) -> None:
+    """One RecipeError listing every way the launcher's settings contradict the recipe and its plan (resolved for
+    the launch's ranks: a rank count that does not divide the global batch failed there); nothing when they agree."""
     problems = []
     precision = _precision_problem(cfg, env)
     if precision:
         problems.append(precision)
     if uses_deepspeed(env):
-        problems += _deepspeed_problems(cfg, env)
+        problems += _deepspeed_problems(cfg, plan, env)
         if cfg.optim.name in ("lamb", "lars"):
             # ZeRO hands the optimizer flat partitions of many tensors: per-tensor trust ratios would be wrong
             problems.append(

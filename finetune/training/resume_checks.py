@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import has_length
 
 from finetune.recipe import OPEN_DICTS, Config, RecipeError, to_yaml
-from finetune.training.schedules import peak_lr
+from finetune.recipe.run_plan import peak_lr
 
 STREAM = "stream"  # dataset_items of a streamed run
 

@@ -12,22 +12,7 @@ import math
 import torch
 
 from finetune.recipe import Config, RecipeError, ScheduleConfig, choice_error
-
-
-def scaled_lr(lr: float, global_batch: int, rule: str, base_batch: int | None) -> float:
-    """`optim.lr` after the scaling rule: × global/base (linear, Goyal et al. 2017) or × √(global/base) (sqrt)."""
-    if rule == "none":
-        return lr
-    if not base_batch or base_batch <= 0:
-        raise RecipeError(
-            f"optim.lr_scaling={rule} needs a positive optim.base_batch_size (the global batch optim.lr was tuned for)"
-        )
-    ratio = global_batch / base_batch
-    if rule == "linear":
-        return lr * ratio
-    if rule == "sqrt":
-        return lr * math.sqrt(ratio)
-    raise choice_error("optim.lr_scaling", rule)
+from finetune.recipe.run_plan import RunPlan
 
 
 def recipe_warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
@@ -166,31 +151,20 @@ def describe_batch_and_lr(
     return line
 
 
-def global_batch_of(cfg: Config) -> tuple[int, str]:
-    """The global batch the LR scales with, and its unit: tokens under train.global_batch_tokens, else sequences."""
-    if cfg.train.global_batch_tokens:
-        return cfg.train.global_batch_tokens, "tokens"
-    return cfg.train.global_batch_size, "sequences"
-
-
-def peak_lr(cfg: Config) -> float:
-    """optim.lr scaled by optim.lr_scaling from optim.base_batch_size to the run's global batch."""
-    return scaled_lr(cfg.optim.lr, global_batch_of(cfg)[0], cfg.optim.lr_scaling, cfg.optim.base_batch_size)
-
-
-def startup_line(cfg: Config, ranks: int, accumulation: int, total_steps: int) -> str:
-    """`describe_batch_and_lr` for a recipe, with the run's optimizer steps."""
-    global_batch, unit = global_batch_of(cfg)
-    micro = f"{cfg.data.max_tokens_per_micro_batch} tokens" if unit == "tokens" else cfg.train.micro_batch_size
+def startup_line(cfg: Config, plan: RunPlan, total_steps: int) -> str:
+    """`describe_batch_and_lr` for a planned run, with its optimizer steps."""
+    micro = (
+        f"{cfg.data.max_tokens_per_micro_batch} tokens" if plan.batch_unit == "tokens" else cfg.train.micro_batch_size
+    )
     line = describe_batch_and_lr(
         micro,
-        accumulation,
-        ranks,
+        plan.accumulation,
+        plan.ranks,
         cfg.optim.lr,
-        peak_lr(cfg),
+        plan.peak_lr,
         cfg.optim.lr_scaling,
         cfg.optim.base_batch_size,
-        global_batch,
-        unit,
+        plan.global_batch,
+        plan.batch_unit,
     )
     return f"{line}; {total_steps} optimizer step{'s' if total_steps != 1 else ''}"
