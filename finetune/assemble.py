@@ -56,10 +56,7 @@ def build(
     reporting.configure_wandb(cfg)
     folder, rows, tokenizer = load_tokenizer(cfg, plan)
     data = load_data(cfg, plan, tokenizer, rows, evaluate)  # before the model: a bad row fails in seconds
-    total_steps = batching.count_optimizer_steps(cfg.train, data.batches, plan.ranks, plan.accumulation)
-    reporting.main_print(schedules.startup_line(cfg, plan, total_steps))
-    if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
-        reporting.main_print(note)
+    total_steps = optimizer_steps(cfg, plan, data.batches)
     args = training_arguments(cfg, plan, data.batches, evaluating=bool(data.eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, rows, packs=plan.packs if data.eval_sets else plan.training.packs)
     return trainer_cls(
@@ -78,6 +75,15 @@ def build(
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
         **data.eval_parts(cfg),
     )
+
+
+def optimizer_steps(cfg: Config, plan: RunPlan, batches: batching.Batches) -> int:
+    """The run's optimizer steps, said with the batch and lr on the start-up line (and a warmup shortened to fit)."""
+    total_steps = batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
+    reporting.main_print(schedules.startup_line(cfg, plan, total_steps))
+    if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
+        reporting.main_print(note)
+    return total_steps
 
 
 def run_callbacks(cfg: Config, total_steps: int) -> list[TrainerCallback]:
