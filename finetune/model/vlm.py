@@ -1,8 +1,9 @@
 """Vision-language models: whether a recipe trains one, load it and its processor, freeze, LoRA on the language model
 only, a tower that runs on every micro-batch.
 
-With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py); then, as for
-a hub VLM id or folder, AutoProcessor and AutoModelForImageTextToText load it.
+With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py);
+then, as for a hub VLM id or folder, AutoProcessor (image-only without torchvision: processors.py) and
+AutoModelForImageTextToText load it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from finetune.env import is_main_process
 from finetune.model.freeze import freeze
 from finetune.model.llava import IMAGE_TOKEN, vlm_folder
 from finetune.model.loading import DTYPES
+from finetune.model.processors import auto_processor
 from finetune.recipe import Config, ModelConfig, RecipeError, evaluates, first_line
 
 SHAPES = "shapes_captions"
@@ -81,11 +83,9 @@ def check_packing(cfg: Config, config) -> None:
 
 
 def load_processor(cfg: ModelConfig, folder: str):
-    from transformers import AutoProcessor
-
     source = vlm_folder(cfg, folder)
-    try:
-        processor = AutoProcessor.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    try:  # AutoProcessor, or image-only where only a video processor needs torchvision (Qwen-VL)
+        processor = auto_processor(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
         raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no processor ({first_line(e)})") from None
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
