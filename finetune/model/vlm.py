@@ -1,7 +1,7 @@
 """Vision-language models: whether a recipe trains one, load it and its processor, freeze, LoRA on the language model
 only, a tower that runs on every micro-batch.
 
-With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py);
+With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py, qwen_vl.py);
 then, as for a hub VLM id or folder, AutoProcessor (image-only without torchvision: processors.py) and
 AutoModelForImageTextToText load it.
 """
@@ -14,7 +14,7 @@ import torch
 
 from finetune.env import is_main_process
 from finetune.model.freeze import freeze
-from finetune.model.llava import IMAGE_TOKEN, vlm_folder
+from finetune.model.llava import IMAGE_TOKEN, assembled_config, vlm_folder
 from finetune.model.loading import DTYPES
 from finetune.model.processors import auto_processor
 from finetune.recipe import Config, ModelConfig, RecipeError, evaluates, first_line
@@ -40,7 +40,9 @@ def is_vlm(cfg: Config, folder: str) -> bool:
             f"data.source={SHAPES} is an image set and model.name_or_path={cfg.model.name_or_path} is a text model; "
             "set model.vision_config (see recipes/vlm.yaml) or use a vision-language model"
         )
-    if vision and config is not None:  # the assembled LLaVA (model.vision_config) packs
+    if cfg.model.vision_config:  # an assembled VLM: packing depends on its class only
+        config = assembled_config(cfg.model)
+    if vision and config is not None:
         check_packing(cfg, config)
     return vision
 
