@@ -16,7 +16,7 @@ import torch
 from finetune.model.llava import add_token_rows, image_tokenizer
 from finetune.model.loading import cached_folder
 from finetune.model.processors import image_only
-from finetune.recipe import ModelConfig, RecipeError, first_line
+from finetune.recipe import ModelConfig, RecipeError
 
 MODEL_TYPE = "qwen2_5_vl"
 ASSEMBLY_VERSION = 1  # part of the cache key: bump when the assembly below changes
@@ -33,8 +33,8 @@ TOKEN_IDS = {  # Qwen2_5_VLConfig's token-id fields: the added tokens' ids
 MERGED_SIDE = 2
 
 
-def vision_tower_config(values: dict[str, Any], text_hidden_size: int):
-    """Qwen2_5_VLVisionConfig from model.vision_config (model_type aside); its output is the text model's width."""
+def vision_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """model.vision_config's Qwen2_5_VLVisionConfig fields (model_type aside), each checked to be one."""
     from transformers import Qwen2_5_VLVisionConfig
 
     fields = {k: v for k, v in values.items() if k != "model_type"}
@@ -44,10 +44,18 @@ def vision_tower_config(values: dict[str, Any], text_hidden_size: int):
             raise RecipeError(f"model.vision_config.{key}: Qwen2_5_VLVisionConfig has no such field")
     if "out_hidden_size" in fields:
         raise RecipeError("model.vision_config.out_hidden_size: set by the assembly (the language model's hidden_size)")
+    return fields
+
+
+def vision_tower_config(values: dict[str, Any], text_hidden_size: int):
+    """Qwen2_5_VLVisionConfig from model.vision_config; its output (the merger's) is the text model's width."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import Qwen2_5_VLVisionConfig
+
     try:
-        config = Qwen2_5_VLVisionConfig(**fields, out_hidden_size=text_hidden_size)
-    except (TypeError, ValueError) as e:  # the config's own field checks (types, values)
-        raise RecipeError(f"model.vision_config: {first_line(e)}") from None
+        config = Qwen2_5_VLVisionConfig(**vision_fields(values), out_hidden_size=text_hidden_size)
+    except (TypeError, ValueError, StrictDataclassError) as e:  # the config's own checks (types, values)
+        raise RecipeError(f"model.vision_config: {' '.join(str(e).split())}") from None
     if config.hidden_size % config.num_heads:
         raise RecipeError(
             f"model.vision_config: hidden_size={config.hidden_size} is not a multiple of num_heads={config.num_heads}"
@@ -57,6 +65,7 @@ def vision_tower_config(values: dict[str, Any], text_hidden_size: int):
 
 def assembled_folder(cfg: ModelConfig, lm_folder: str) -> Path:
     """The Qwen2.5-VL assembled from `lm_folder` and `model.vision_config`, built once in the cache."""
+    vision_fields(cfg.vision_config)  # a misspelt key: one error before anything loads
     stamp = json.dumps(
         [MODEL_TYPE, ASSEMBLY_VERSION, str(lm_folder), dict(sorted(cfg.vision_config.items()))], default=str
     )
