@@ -17,17 +17,23 @@ from finetune.recipe import ModelConfig, RecipeError
 
 IMAGE_TOKEN = "<image>"
 ASSEMBLY_VERSION = 1  # part of the cache key: bump when the assembly below changes
-# Messages whose content is a list of parts ({"type": "image"} / {"type": "text", "text": …}) become the plain strings
-# a text model's chat template expects, an image part becoming the image token; string contents pass unchanged.
-CONTENT_PARTS_TO_TEXT = (
-    "{%- set ns = namespace(messages=[]) -%}{%- for m in messages -%}{%- if m['content'] is string -%}"
-    "{%- set ns.messages = ns.messages + [m] -%}{%- else -%}{%- set text = namespace(value='') -%}"
-    "{%- for part in m['content'] -%}{%- if part['type'] == 'image' -%}{%- set text.value = text.value + '"
-    + IMAGE_TOKEN
-    + "' -%}{%- elif part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}"
-    "{%- endif -%}{%- endfor -%}{%- set ns.messages = ns.messages + [{'role': m['role'], 'content': text.value}] -%}"
-    "{%- endif -%}{%- endfor -%}{%- set messages = ns.messages -%}"
-)
+SIGLIP = "siglip_vision_model"  # model.vision_config.model_type of this assembly (the default)
+
+
+def content_parts_to_text(marker: str) -> str:
+    """A chat-template prefix: messages whose content is a list of parts ({"type": "image"} / {"type": "text", …})
+    become the plain strings a text model's template expects, an image part becoming `marker`; strings pass as they
+    are."""
+    return (
+        "{%- set ns = namespace(messages=[]) -%}{%- for m in messages -%}{%- if m['content'] is string -%}"
+        "{%- set ns.messages = ns.messages + [m] -%}{%- else -%}{%- set text = namespace(value='') -%}"
+        "{%- for part in m['content'] -%}{%- if part['type'] == 'image' -%}{%- set text.value = text.value + '"
+        + marker
+        + "' -%}{%- elif part['type'] == 'text' -%}{%- set text.value = text.value + part['text'] -%}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- set ns.messages = ns.messages + [{'role': m['role'], 'content': text.value}] -%}"
+        "{%- endif -%}{%- endfor -%}{%- set messages = ns.messages -%}"
+    )
 
 
 def vision_tower_config(values: dict[str, Any]):
@@ -35,6 +41,8 @@ def vision_tower_config(values: dict[str, Any]):
 
     config = SiglipVisionConfig(vision_use_head=False)  # LLaVA reads the patch features; a pooling head is unused
     for key, value in values.items():
+        if key == "model_type":  # SIGLIP: vlm_folder routed here by it
+            continue
         if not hasattr(config, key):
             raise RecipeError(f"model.vision_config.{key}: SiglipVisionConfig has no such field")
         setattr(config, key, value)
@@ -79,13 +87,18 @@ def assemble(lm_folder: str, vision, trust_remote_code: bool = False):
         model = LlavaForConditionalGeneration(config)
     model.model.language_model.load_state_dict(lm.get_decoder().state_dict())
     model.lm_head.load_state_dict(lm.get_output_embeddings().state_dict())
-    old_vocab = lm.config.vocab_size
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with torch.no_grad():  # new rows (the image token, only ever an input placeholder): the mean embedding
-        for matrix in {id(m): m for m in (model.get_input_embeddings().weight, model.lm_head.weight)}.values():
-            matrix[old_vocab:] = matrix[:old_vocab].mean(0)
+    add_token_rows(model, lm.config.vocab_size, len(tokenizer))
     model.generation_config = lm.generation_config
     return model, llava_processor(tokenizer, vision.image_size, vision.patch_size)
+
+
+def add_token_rows(model, old_vocab: int, vocab: int) -> None:
+    """Grow the embeddings (and an untied output head) to `vocab` rows; the new rows (image tokens, only ever input
+    placeholders) are the mean embedding."""
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        for matrix in {id(m): m for m in (model.get_input_embeddings().weight, model.lm_head.weight)}.values():
+            matrix[old_vocab:] = matrix[:old_vocab].mean(0)
 
 
 def llava_processor(tokenizer, image_size: int, patch_size: int):
@@ -103,16 +116,43 @@ def llava_processor(tokenizer, image_size: int, patch_size: int):
     )
 
 
-def image_tokenizer(tokenizer):
-    """A text model's tokenizer with the image token, and a chat template that renders image parts as that token."""
-    if IMAGE_TOKEN not in tokenizer.get_vocab():
-        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+def image_tokenizer(tokenizer, tokens: tuple[str, ...] = (IMAGE_TOKEN,), marker: str = IMAGE_TOKEN):
+    """A text model's tokenizer with the image `tokens`, and a chat template that renders image parts as `marker`."""
+    new = [t for t in tokens if t not in tokenizer.get_vocab()]
+    if new:
+        tokenizer.add_special_tokens({"additional_special_tokens": new})
     if tokenizer.chat_template is None:
         raise RecipeError(f"model.name_or_path: {tokenizer.name_or_path} has no chat template to render images in")
-    if not tokenizer.chat_template.startswith(CONTENT_PARTS_TO_TEXT):
-        tokenizer.chat_template = CONTENT_PARTS_TO_TEXT + tokenizer.chat_template
+    prefix = content_parts_to_text(marker)
+    if not tokenizer.chat_template.startswith(prefix):
+        tokenizer.chat_template = prefix + tokenizer.chat_template
     return tokenizer
 
 
+def assembly_kind(cfg: ModelConfig) -> str | None:
+    """What model.vision_config assembles (its model_type: a LLaVA by default, or a Qwen2.5-VL); None: nothing."""
+    from finetune.model import qwen_vl
+
+    kind = cfg.vision_config.get("model_type", SIGLIP) if cfg.vision_config else None
+    if kind not in (None, SIGLIP, qwen_vl.MODEL_TYPE):
+        raise RecipeError(
+            f"model.vision_config.model_type={kind}: one of {SIGLIP} (a LLaVA, the default) or {qwen_vl.MODEL_TYPE}"
+        )
+    return kind
+
+
+def assembled_config(cfg: ModelConfig):
+    """A default config of the class model.vision_config assembles: enough for what depends on the class only."""
+    from transformers import LlavaConfig, Qwen2_5_VLConfig
+
+    return LlavaConfig() if assembly_kind(cfg) == SIGLIP else Qwen2_5_VLConfig()
+
+
 def vlm_folder(cfg: ModelConfig, folder: str) -> str:
-    return str(assembled_folder(cfg, folder)) if cfg.vision_config else folder
+    """The folder a VLM loads from: `folder` itself, or the model that model.vision_config assembles from it."""
+    from finetune.model import qwen_vl
+
+    kind = assembly_kind(cfg)
+    if kind is None:
+        return folder
+    return str((assembled_folder if kind == SIGLIP else qwen_vl.assembled_folder)(cfg, folder))

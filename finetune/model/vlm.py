@@ -1,12 +1,14 @@
 """Vision-language models: whether a recipe trains one, load it and its processor, freeze, LoRA on the language model
 only, a tower that runs on every micro-batch.
 
-With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py); then, as for
-a hub VLM id or folder, AutoProcessor and AutoModelForImageTextToText load it.
+With `model.vision_config` the VLM is first assembled once from a text model (finetune/model/llava.py, qwen_vl.py);
+then, as for a hub VLM id or folder, AutoProcessor (image-only without torchvision: processors.py) and
+AutoModelForImageTextToText load it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -15,8 +17,9 @@ from finetune.data.image_inputs import ImageInputs
 from finetune.env import is_main_process
 from finetune.model.freeze import freeze
 from finetune.model.image_rows import check_packing, image_inputs
-from finetune.model.llava import IMAGE_TOKEN, vlm_folder
+from finetune.model.llava import IMAGE_TOKEN, assembled_config, vlm_folder
 from finetune.model.loading import DTYPES
+from finetune.model.processors import auto_processor
 from finetune.recipe import Config, ModelConfig, RecipeError, RunPlan, first_line
 
 SHAPES = "shapes_captions"
@@ -40,7 +43,9 @@ def is_vlm(cfg: Config, plan: RunPlan, folder: str) -> bool:
             f"data.source={SHAPES} is an image set and model.name_or_path={cfg.model.name_or_path} is a text model; "
             "set model.vision_config (see recipes/vlm.yaml) or use a vision-language model"
         )
-    if vision and config is not None:  # the assembled LLaVA (model.vision_config) packs
+    if cfg.model.vision_config:  # an assembled VLM: packing depends on its class only
+        config = assembled_config(cfg.model)
+    if vision and config is not None:
         check_packing(cfg.model, plan, config)
     return vision
 
@@ -57,11 +62,9 @@ def forward_image_inputs(cfg: ModelConfig, folder: str) -> ImageInputs:
 
 
 def load_processor(cfg: ModelConfig, folder: str):
-    from transformers import AutoProcessor
-
     source = vlm_folder(cfg, folder)
-    try:
-        processor = AutoProcessor.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    try:  # AutoProcessor, or image-only where only a video processor needs torchvision (Qwen-VL)
+        processor = auto_processor(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
         raise RecipeError(f"model.name_or_path={cfg.name_or_path}: no processor ({first_line(e)})") from None
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
@@ -107,10 +110,14 @@ def prepare_vlm(model, cfg: ModelConfig, processor):
 
 
 def black_image(processor):
+    """The smallest square image the processor keeps as it is (the dummy image runs on every image-less batch)."""
     from PIL import Image
 
-    size = getattr(processor.image_processor, "size", None) or {}
+    image_processor = processor.image_processor
+    size = getattr(image_processor, "size", None) or {}
     side = size.get("height") or size.get("shortest_edge") or 224
+    if getattr(image_processor, "merge_size", None):  # Qwen-VL, GLM-4V: shortest_edge is an area (min_pixels)
+        side = math.isqrt(side - 1) + 1
     return Image.new("RGB", (side, side))
 
 

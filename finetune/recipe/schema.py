@@ -53,10 +53,13 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, help="let transformers run the model repository's own code")
     freeze: list[str] = setting([], help="module-name prefixes whose parameters do not train")
     lora: LoraConfig = section(LoraConfig)
-    # Set (SiglipVisionConfig fields) to assemble a LLaVA: this language model + a vision tower built from this config
-    # (random init, cached once). Empty: a VLM name_or_path (hub id or folder) is used as it is.
+    # Set to assemble a VLM: this language model + a vision tower built from this config (random init, cached once);
+    # model_type picks which (siglip_vision_model, the default: a LLaVA; qwen2_5_vl: a Qwen2.5-VL), the other keys are
+    # that tower config's fields. Empty: a VLM name_or_path (hub id or folder) is used as it is.
     vision_config: dict[str, Any] = setting(
-        {}, help="SiglipVisionConfig fields: assemble a LLaVA from this language model and a new vision tower"
+        {},
+        help="assemble a VLM from this language model and a new vision tower: model_type (siglip_vision_model: a "
+        "LLaVA, the default; qwen2_5_vl: a Qwen2.5-VL) and that tower config's fields",
     )
 
 
