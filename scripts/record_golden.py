@@ -11,10 +11,11 @@ that moves a number is seen.
 Debug size: a few steps on a few rows with the recipe's own batching, optimizer, schedule, precision and loss. The
 text recipes train recipes/debug.yaml's tiny random Llama (SmolLM2's config shrunk; model.from_config). The VLM
 recipes cannot shrink their language model by a key (model.from_config is for text models), and with SmolLM2-135M
-four steps train for about 35 s on 2 CPU cores; so they assemble their LLaVA (their own vision tower, projector, freezing
-and LR multipliers) from that tiny Llama instead: `language_model` names the overrides of the text run whose model,
-saved to a folder, becomes model.name_or_path (`{language_model}` in `overrides`). That LLaVA is assembled into a
-cache of the run's own (FINETUNE_CACHE), so no run leaves one behind. Every run uses one torch thread (THREADS).
+four steps train for about 35 s on 2 CPU cores; so they assemble their LLaVA (their own vision tower, projector,
+freezing and LR multipliers) from that tiny Llama instead: `language_model` names the overrides of the text run
+whose model, saved to a folder, becomes model.name_or_path (`{language_model}` in `overrides`). That LLaVA is
+assembled into a cache of the run's own (FINETUNE_CACHE), so no run leaves one behind. Every run uses one torch
+thread (THREADS).
 
 Re-record only for a change meant to move these numbers, and say in the commit why they moved.
 """
