@@ -70,6 +70,11 @@ GOLDEN = {  # recipe → its debug-size run
         "language_model": TINY_LANGUAGE_MODEL,
         "overrides": ["recipe=vlm", *ASSEMBLED, "data.limit=64", "train.max_steps=5"],
     },
+    "vlm_qwen": {  # packed: each sequence's mrope positions from the collator
+        # Qwen2's language model has head_dim = hidden / heads (SmolLM2's config states 64 for 9 heads)
+        "language_model": [*TINY_LANGUAGE_MODEL, "model.config_overrides.head_dim=16"],
+        "overrides": ["recipe=vlm_qwen", *ASSEMBLED, "data.limit=64", "train.max_steps=5"],
+    },
     "vlm_seed": {
         "language_model": TINY_LANGUAGE_MODEL,
         "overrides": [
