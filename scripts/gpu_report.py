@@ -3,6 +3,7 @@ beside the command that produced it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -149,8 +150,9 @@ def _vlm(s: dict) -> list[str]:
         [mode, f"{r['samples_per_s']:.1f}", f"{r['real_tokens_per_s']:.0f}", f"{r['peak_mem_mb']:.0f}"]
         for mode, r in modes.items()
     ]
+    recipe = re.search(r"--recipe (\S+)", s["command"])
     return [
-        "## VLM seed recipe: training throughput",
+        f"## VLM recipe {recipe.group(1) if recipe else 'recipes/vlm_seed.yaml'}: training throughput",
         "",
         f"{next(iter(modes.values()))['device']}",
         "",
@@ -203,7 +205,7 @@ def write_report(report: dict, path: Path) -> None:
         "",
     ]
     by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
-    by_kind |= {"vlm_bf16": _vlm}
+    by_kind |= {"vlm_bf16": _vlm, "vlm_qwen_bf16": _vlm}
     verify = [s for s in steps if s["name"].startswith("verify_")]
     sharded = [s for s in steps if s["name"].startswith("sharded_")]
     for s in steps:

@@ -42,7 +42,8 @@ class Sizing:
 def steps_for(s: Sizing) -> list[Step]:
     """Most wanted first: exactness on the device, the headline throughput, the GPU tier, then the rest."""
     main_bench, *other_benches = benchmarks(s)
-    steps = [*verify(s), main_bench, gpu_tier(s), loss_head(s), host_syncs(s), *sharded(s), vlm(s), *other_benches]
+    vlms = [vlm(s), vlm(s, "recipes/vlm_qwen.yaml", "vlm_qwen_bf16")]
+    steps = [*verify(s), main_bench, gpu_tier(s), loss_head(s), host_syncs(s), *sharded(s), *vlms, *other_benches]
     return steps
 
 
@@ -118,12 +119,13 @@ def sharded(s: Sizing) -> list[Step]:
     return steps
 
 
-def vlm(s: Sizing) -> Step:
-    """The VLM seed recipe's training throughput (samples/s) in bf16, at the seed's micro-batch of 32 on a GPU. With
+def vlm(s: Sizing, recipe: str = "recipes/vlm_seed.yaml", name: str = "vlm_bf16") -> Step:
+    """A VLM recipe's training throughput (samples/s) in bf16, padded vs token budget vs packed, at the seed's
+    micro-batch of 32 on a GPU (the seed recipe; recipes/vlm_qwen.yaml: packed multimodal-RoPE rows). With
     --model-folder its language model is SmolLM2's config with random weights (written first by
     scripts/random_weights.py into DIR/smollm2-random): samples/s does not depend on the weights' values."""
-    path = str(s.out / "vlm.json")
-    command = [PY, "scripts/bench_vlm.py", "--device", "cuda" if s.cuda else "cpu", "--json", path]
+    path = str(s.out / f"{name.removesuffix('_bf16')}.json")
+    command = [PY, "scripts/bench_vlm.py", "--recipe", recipe, "--device", "cuda" if s.cuda else "cpu", "--json", path]
     if s.smoke:
         command += ["--quick", "--micro-batch", "2", "--accumulation", "1"]
     else:
@@ -134,7 +136,7 @@ def vlm(s: Sizing) -> Step:
         random_lm = str(s.out / "smollm2-random")
         before = [PY, "scripts/random_weights.py", s.model_folder, random_lm]
         command += [f"model.name_or_path={random_lm}", "model.gguf_file=null"]
-    return Step("vlm_bf16", command, 900 if s.smoke else 150, "json", path, before=before)
+    return Step(name, command, 900 if s.smoke else 150, "json", path, before=before)
 
 
 def read_figures(step: Step, text: str, returncode: int, cuda: bool) -> tuple[str, dict, str | None]:

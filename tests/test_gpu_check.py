@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["verify_fp32", "verify_bf16", "verify_fp16", "benchmark_tiny", "gpu_tier", "loss_head", "host_syncs"]
-STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "vlm_bf16"]
+STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "vlm_bf16", "vlm_qwen_bf16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -90,10 +90,11 @@ def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(t
     for config in ("fsdp2", "zero2", "zero3"):  # accelerate would run them unsharded on a CPU: each says so
         sharded = steps[f"sharded_{config}"]
         assert sharded["status"] == "skipped" and sharded["returncode"] == 2 and "needs a GPU" in sharded["reason"]
-    vlm = steps["vlm_bf16"]["figures"]
-    for mode in ("padded", "token_budget", "packed"):
-        assert vlm[mode]["samples_per_s"] > 0 and vlm[mode]["rows"] > 0, mode
-    assert "## VLM seed recipe" in md
+    for name, recipe in (("vlm_bf16", "vlm_seed"), ("vlm_qwen_bf16", "vlm_qwen")):
+        vlm = steps[name]["figures"]
+        for mode in ("padded", "token_budget", "packed"):
+            assert vlm[mode]["samples_per_s"] > 0 and vlm[mode]["rows"] > 0, (name, mode)
+        assert f"## VLM recipe recipes/{recipe}.yaml: training throughput" in md
 
 
 def import_check():
