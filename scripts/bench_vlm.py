@@ -57,7 +57,8 @@ class Throughput:
             self.start = time.perf_counter()
         ids, positions, mask = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
         if positions is not None and mask is None:  # packed: one row holds several sequences
-            self.rows += int((positions == 0).sum())
+            text = positions[0] if positions.dim() == 3 else positions  # [4, B, L] multimodal rope: the text row
+            self.rows += int((text == 0).sum())
             self.tokens += ids.numel()
         else:
             self.rows += ids.shape[0]

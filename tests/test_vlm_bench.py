@@ -37,3 +37,24 @@ def test_bench_vlm_quick_writes_the_three_modes(tmp_path):
     per_row = [results[m]["real_tokens"] / results[m]["rows"] for m in ("padded", "token_budget", "packed")]
     assert max(per_row) < 3 * min(per_row)
     assert "packed" in result.stdout and "vs padded" in result.stdout
+
+
+def test_a_packed_multimodal_rope_row_counts_its_sequences_once():
+    """Packed Qwen-VL rows carry [4, B, L] position_ids (the text row over three rope rows, each 0 at a sequence's
+    start): the benchmark counts the sequences from the text row, not four times over (the H200 run of 2026-11-26
+    counted 1,536 rows for 384)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_vlm", ROOT / "scripts" / "bench_vlm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    meter = bench.Throughput()
+    meter.timing = True
+    text = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    rope = torch.stack([text, torch.zeros_like(text), torch.zeros_like(text)])  # image tokens: many zeros
+    module = torch.nn.Linear(1, 1).train()
+    meter.hook(module, (), {"input_ids": torch.ones_like(text), "position_ids": torch.cat([text[None], rope])})
+    meter.hook(module, (), {"input_ids": torch.ones_like(text), "position_ids": text})
+    assert (meter.rows, meter.tokens) == (6, 18)
