@@ -18,7 +18,7 @@ from finetune.model.image_rows import image_inputs
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching
 from finetune.testing.toy import SnapshotCallback, sgd_args
-from tests.test_vlm_mrope_packed import ROWS, image_processor, tiny
+from tests.mrope_models import ROWS, image_processor, tiny
 
 
 def main(out: str) -> None:
