@@ -84,6 +84,7 @@ def build(
         on_nonfinite=cfg.train.on_nonfinite,
         stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
+        merge_lora=cfg.model.lora.merge,
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
         **(eval_parts(cfg, eval_sets) if eval_sets else {}),
     )

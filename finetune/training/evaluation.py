@@ -67,7 +67,8 @@ def save_best(trainer) -> None:
     def write(staged: str) -> None:
         with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
             trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-            lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
+            if trainer.merge_lora:  # model.lora.merge: the merged model, the adapter in adapter/
+                lora_merge.write_merged(trainer, staged)
 
     def finish(staged: str) -> None:
         with open(os.path.join(staged, BEST_FILE), "w") as f:

@@ -53,6 +53,7 @@ class RecipeTrainer(TokenNormTrainer):
     counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
     Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
+    `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class RecipeTrainer(TokenNormTrainer):
         stop_request=None,
         data_order_change: str = "error",
         eval_setup: evaluation.EvalSetup | None = None,
+        merge_lora: bool = False,
         **kwargs,
     ):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
@@ -73,6 +75,7 @@ class RecipeTrainer(TokenNormTrainer):
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
         self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
+        self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
         distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy

@@ -20,7 +20,6 @@ from transformers.integrations import WandbCallback
 
 from finetune.core.meter import TIMING_KEYS
 from finetune.env import is_main_process
-from finetune.model.lora_merge import MergedSaves
 from finetune.recipe import Config, RecipeError
 from finetune.training.console import StepProgress
 
@@ -232,6 +231,4 @@ def callbacks(cfg: Config) -> list[TrainerCallback]:
         added.append(RecipeWandbCallback(cfg))
     if cfg.train.profile_steps:
         added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
-    if cfg.model.lora.merge:  # the final save and best/ are the merged model (finetune/model/lora_merge.py)
-        added.append(MergedSaves())
     return added
