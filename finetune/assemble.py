@@ -37,12 +37,14 @@ def build(
     *,
     trainer_cls: type[RecipeTrainer] = RecipeTrainer,
     callbacks: Iterable[TrainerCallback] = (),
+    run_files: Iterable = (),
     stop_request=None,
     peak_flops: float | None = None,
     evaluate: bool = True,
 ) -> RecipeTrainer:
     """The trainer this recipe trains with: `trainer_cls` (RecipeTrainer or a subclass) given the recipe's model,
-    data, arguments and callbacks plus `callbacks`, `stop_request` (finetune.training.lifecycle.StopRequest) and
+    data, arguments and callbacks plus `callbacks`, `run_files` (each one's files_for_checkpoint() goes into every
+    checkpoint and the final save: recipe.yaml), `stop_request` (finetune.training.lifecycle.StopRequest) and
     `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `evaluate=False`:
     no evaluation (the held-out rows stay out of training all the same)."""
     check_machine(cfg)
@@ -65,6 +67,8 @@ def build(
 
     args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
+    reports = reporting.reports(cfg)
+    evals = evaluation.callbacks(cfg, prompts) if eval_sets else None
     return trainer_cls(
         model=model,
         args=args,
@@ -74,9 +78,9 @@ def build(
         callbacks=[
             reporting.StepCountCheck(total_steps),
             *distributed.callbacks(),
-            *reporting.callbacks(cfg),
+            *reports.callbacks,
             *callbacks,
-            *(evaluation.callbacks(cfg, prompts) if eval_sets else ()),
+            *(evals.callbacks if evals else ()),
         ],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
@@ -85,6 +89,9 @@ def build(
         stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
         merge_lora=cfg.model.lora.merge,
+        run_files=(reports.timings, *run_files),
+        reports=reports,
+        eval_callbacks=evals,
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
         **(eval_parts(cfg, eval_sets) if eval_sets else {}),
     )

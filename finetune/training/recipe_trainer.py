@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 
 import torch
 from accelerate.utils import DistributedType
@@ -19,7 +20,7 @@ from transformers.utils import logging
 
 from finetune.core.trainer import TokenNormTrainer
 from finetune.recipe import RecipeError
-from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
+from finetune.training import checkpoints, distributed, evaluation, lifecycle, reporting, resume_checks
 from finetune.training.eval_sets import evaluate_sets
 
 logger = logging.get_logger(__name__)
@@ -54,6 +55,9 @@ class RecipeTrainer(TokenNormTrainer):
     Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
     `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
+    `run_files`: what writes the run's files into every checkpoint-N and the final save (`files_of_run`: timings.jsonl,
+    recipe.yaml). `reports` and `eval_callbacks`: the run's reporting and evaluation callbacks, also among `callbacks`,
+    held by name for what reads them after the run (W&B's end-of-run figures, early stopping, the sample prompts).
     """
 
     def __init__(
@@ -67,6 +71,9 @@ class RecipeTrainer(TokenNormTrainer):
         data_order_change: str = "error",
         eval_setup: evaluation.EvalSetup | None = None,
         merge_lora: bool = False,
+        run_files: Sequence = (),
+        reports: reporting.RunReports | None = None,
+        eval_callbacks: evaluation.EvalCallbacks | None = None,
         **kwargs,
     ):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
@@ -76,6 +83,8 @@ class RecipeTrainer(TokenNormTrainer):
         self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
         self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
+        self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
+        self.reports, self.eval_callbacks = reports, eval_callbacks  # among the callbacks; by name for their readers
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
         super().__init__(*args, **kwargs)
         distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy
@@ -104,7 +113,13 @@ class RecipeTrainer(TokenNormTrainer):
         return super()._run_epoch(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):  # staged, then renamed into place: complete or absent
-        checkpoints.save_atomically(self, lambda root: self.save_checkpoint_into(root, model, trial))
+        checkpoints.save_atomically(
+            self, lambda root: self.save_checkpoint_into(root, model, trial), self.files_of_run()
+        )
+
+    def files_of_run(self) -> dict[str, str]:
+        """{file name: text} of the run's own files (`run_files`): into every checkpoint-N and the final save."""
+        return {name: text for source in self.run_files for name, text in source.files_for_checkpoint().items()}
 
     def save_checkpoint_into(self, root: str, model, trial) -> None:
         """The Trainer's own checkpoint save (root/checkpoint-N: weights, optimizer, RNG, trainer state; rotation in
