@@ -68,7 +68,6 @@ def build(
     args = training_arguments(cfg, accumulation, lr, batches, evaluating=bool(eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, vision, evaluating=bool(eval_sets))
     reports = reporting.reports(cfg)
-    evals = evaluation.callbacks(cfg, prompts) if eval_sets else None
     return trainer_cls(
         model=model,
         args=args,
@@ -80,7 +79,6 @@ def build(
             *distributed.callbacks(),
             *reports.callbacks,
             *callbacks,
-            *(evals.callbacks if evals else ()),
         ],
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
@@ -91,9 +89,8 @@ def build(
         merge_lora=cfg.model.lora.merge,
         run_files=(reports.timings, *run_files),
         reports=reports,
-        eval_callbacks=evals,
         peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
-        **(eval_parts(cfg, eval_sets) if eval_sets else {}),
+        **(eval_parts(cfg, eval_sets, prompts) if eval_sets else {}),
     )
 
 
@@ -162,14 +159,15 @@ def eval_prompts(cfg: Config, eval_set: heldout.EvalSet, tokenizer, vision: bool
     return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)
 
 
-def eval_parts(cfg: Config, eval_sets: dict) -> dict:
+def eval_parts(cfg: Config, eval_sets: dict, prompts: list) -> dict:
     """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
-    log line: finetune/training/recipe_trainer.py)."""
+    log line: finetune/training/recipe_trainer.py), and the evaluation's callbacks (samples from `prompts`)."""
     first = next(iter(eval_sets.values()))
     tokens = sum(s.tokens for s in eval_sets.values())
     setup = evaluation.EvalSetup(first.collator, tokens, cfg.eval.best_checkpoint)
     datasets = first.dataset if list(eval_sets) == [""] else {name: s.dataset for name, s in eval_sets.items()}
-    return {"eval_dataset": datasets, "eval_setup": setup}
+    callbacks = evaluation.callbacks(cfg, prompts)
+    return {"eval_dataset": datasets, "eval_setup": setup, "eval_callbacks": callbacks}
 
 
 def recipe_peak_flops(cfg: Config) -> float | None:

@@ -56,8 +56,9 @@ class RecipeTrainer(TokenNormTrainer):
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
     `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
     `run_files`: what writes the run's files into every checkpoint-N and the final save (`files_of_run`: timings.jsonl,
-    recipe.yaml). `reports` and `eval_callbacks`: the run's reporting and evaluation callbacks, also among `callbacks`,
-    held by name for what reads them after the run (W&B's end-of-run figures, early stopping, the sample prompts).
+    recipe.yaml). `reports`: the run's reporting callbacks (among `callbacks`); `eval_callbacks`: the evaluation's,
+    added after `callbacks`; both held by name for what reads them (W&B's end-of-run figures, early stopping, the
+    sample prompts).
     """
 
     def __init__(
@@ -84,8 +85,10 @@ class RecipeTrainer(TokenNormTrainer):
         self.eval_setup = eval_setup
         self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
         self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
-        self.reports, self.eval_callbacks = reports, eval_callbacks  # among the callbacks; by name for their readers
+        self.reports, self.eval_callbacks = reports, eval_callbacks  # held by name for what reads them
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
+        if eval_callbacks is not None:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or ()), *eval_callbacks.callbacks]
         super().__init__(*args, **kwargs)
         distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy
         # StepProgress (finetune/training/reporting.py) prints one line per step instead of disable_tqdm's printer
