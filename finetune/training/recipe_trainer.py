@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -103,8 +102,6 @@ class RecipeTrainer(TokenNormTrainer):
         if isinstance(resume_from_checkpoint, str):
             checkpoints.check_same_model(resume_from_checkpoint, self.model)
             self.restore_checkpoint_state(checkpoints.read_state(resume_from_checkpoint))
-        if self.eval_setup is not None:  # a resumed run's log history holds the evaluation before step 1 already
-            self.args.eval_on_start = not resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args, **kwargs):
@@ -273,19 +270,27 @@ class RecipeTrainer(TokenNormTrainer):
 
     # ---- evaluation on the recipe's eval set ----
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        if self.eval_setup is None:
-            return super().get_eval_dataloader(eval_dataset)
-        collator, self.data_collator = self.data_collator, self.eval_setup.collator
-        try:
-            return super().get_eval_dataloader(eval_dataset)
-        finally:
-            self.data_collator = collator
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        # The Trainer's dataloaders take their collator from here (the eval sets are MicroBatches, not
+        # datasets.Dataset): evaluation batches with the eval set's own collator.
+        if self.eval_setup is not None and description == "Evaluation":
+            data_collator = self.eval_setup.collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False):
+        # skip_scheduler: the Trainer's evaluation before the first step (eval_on_start). After a step 0 only when
+        # resumed from a checkpoint, whose log history holds that evaluation already.
+        if skip_scheduler and self.state.global_step > 0:
+            return {}
+        return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         try:
             if eval_dataset is None and isinstance(self.eval_dataset, dict):  # named eval sets: one evaluation
-                return evaluate_sets(self, self.eval_dataset, ignore_keys, metric_key_prefix)
+                metrics = evaluate_sets(self, self.eval_dataset, ignore_keys, metric_key_prefix)
+                self.log(metrics)
+                self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+                return metrics
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         except lifecycle.EvaluationStopped:  # a stop request mid-evaluation: nothing logged, the checkpoint comes next
             return {}
@@ -297,9 +302,8 @@ class RecipeTrainer(TokenNormTrainer):
         if new_best and self.eval_setup is not None:
             self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
             if self.eval_setup.keep_best:
-                started = time.perf_counter()
-                evaluation.save_best(self)
-                self.meter.since += time.perf_counter() - started  # training tokens/s skip the save
+                with self.meter.paused():  # training tokens/s skip the save
+                    evaluation.save_best(self)
         return new_best
 
     def create_optimizer(self, model=None):
