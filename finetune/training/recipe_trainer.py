@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
@@ -41,6 +42,15 @@ def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite:
     bad = bad_grads or bad_loss
     scaler_overflow = fp16 and bad_grads and not bad_loss
     return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
+
+
+@dataclass(frozen=True)
+class StagingRoot:
+    """The folder a checkpoint save writes checkpoint-N into (train.output_dir/.staging), handed to the Trainer's own
+    `_save_checkpoint` as its trial: it reads its output folder from `_get_output_dir(trial)` and the trial nowhere
+    else but to decide whether to store the FLOs (transformers 5.24)."""
+
+    path: str
 
 
 class RecipeTrainer(TokenNormTrainer):
@@ -80,7 +90,6 @@ class RecipeTrainer(TokenNormTrainer):
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
-        self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
         self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
         self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
@@ -123,15 +132,14 @@ class RecipeTrainer(TokenNormTrainer):
 
     def save_checkpoint_into(self, root: str, model, trial) -> None:
         """The Trainer's own checkpoint save (root/checkpoint-N: weights, optimizer, RNG, trainer state; rotation in
-        root) with `root` in place of train.output_dir, which the Trainer asks `_get_output_dir` for."""
-        self._checkpoint_root = root
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._checkpoint_root = None
+        root) with `root` in place of train.output_dir. The Trainer takes that folder from `_get_output_dir(trial)`,
+        so `root` travels down as the trial it is given (`StagingRoot`)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()  # what the Trainer's save does for a trial of None, which it is not given here
+        super()._save_checkpoint(model, StagingRoot(root))
 
     def _get_output_dir(self, trial):
-        return self._checkpoint_root or super()._get_output_dir(trial)
+        return trial.path if isinstance(trial, StagingRoot) else super()._get_output_dir(trial)
 
     def _save_rng_state(self, output_dir):
         # plain tensors and ints, so the file loads with torch.load(weights_only=True)
