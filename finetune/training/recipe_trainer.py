@@ -286,8 +286,8 @@ class RecipeTrainer(TokenNormTrainer):
         return super()._get_collator_with_removed_columns(data_collator, description)
 
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False):
-        # skip_scheduler: the Trainer's evaluation before the first step (eval_on_start). After a step 0 only when
-        # resumed from a checkpoint, whose log history holds that evaluation already.
+        # skip_scheduler: the Trainer's evaluation before the first step (eval_on_start). A step above 0 there: resumed
+        # from a checkpoint, whose log history holds that evaluation already.
         if skip_scheduler and self.state.global_step > 0:
             return {}
         return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
