@@ -42,12 +42,14 @@ def build(
     *,
     trainer_cls: type[RecipeTrainer] = RecipeTrainer,
     callbacks: Iterable[TrainerCallback] = (),
+    run_files: Iterable = (),
     stop_request=None,
     peak_flops: float | None = None,
     evaluate: bool = True,
 ) -> RecipeTrainer:
     """The trainer this recipe trains with: `trainer_cls` (RecipeTrainer or a subclass) given the recipe's model,
-    data, arguments and callbacks plus `callbacks`, `stop_request` (finetune.training.lifecycle.StopRequest) and
+    data, arguments and callbacks plus `callbacks`, `run_files` (each one's files_for_checkpoint() goes into every
+    checkpoint and the final save: recipe.yaml), `stop_request` (finetune.training.lifecycle.StopRequest) and
     `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `plan`: the
     recipe's run plan (default: resolved for this launch's ranks). `evaluate=False`: no evaluation (the held-out
     rows stay out of training all the same)."""
@@ -59,21 +61,33 @@ def build(
     total_steps = optimizer_steps(cfg, plan, data.batches)
     args = training_arguments(cfg, plan, data.batches, evaluating=bool(data.eval_sets))  # before the model
     model = load_model(cfg, folder, tokenizer, rows, packs=plan.packs if data.eval_sets else plan.training.packs)
+    reports = reporting.reports(cfg)
     return trainer_cls(
         model=model,
         args=args,
         train_dataset=data.batches.dataset,
         data_collator=data.batches.collator,
         processing_class=tokenizer,
-        callbacks=[*run_callbacks(cfg, total_steps), *callbacks, *data.eval_callbacks(cfg)],
+        callbacks=[*run_callbacks(total_steps, reports), *callbacks],
+        run_files=(reports.timings, *run_files),
+        reports=reports,
+        stop_request=stop_request,
+        peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
+        **recipe_options(cfg, plan),
+        **data.eval_parts(cfg),
+    )
+
+
+def recipe_options(cfg: Config, plan: RunPlan) -> dict:
+    """What the recipe asks of the trainer beyond TrainingArguments: its optimizer and schedule (at the plan's peak
+    lr), what a non-finite step does, a resume's data order, a merged LoRA save."""
+    return dict(
         optim_config=cfg.optim,
         schedule_config=cfg.schedule,
         peak_lr=plan.peak_lr,
         on_nonfinite=cfg.train.on_nonfinite,
-        stop_request=stop_request,
         data_order_change=cfg.train.resume_data_order_change,
-        peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
-        **data.eval_parts(cfg),
+        merge_lora=cfg.model.lora.merge,
     )
 
 
@@ -86,9 +100,9 @@ def optimizer_steps(cfg: Config, plan: RunPlan, batches: batching.Batches) -> in
     return total_steps
 
 
-def run_callbacks(cfg: Config, total_steps: int) -> list[TrainerCallback]:
+def run_callbacks(total_steps: int, reports: reporting.RunReports) -> list[TrainerCallback]:
     """The step-count guard, the launcher's own callbacks and the recipe's reporting (console, W&B, timings)."""
-    return [reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reporting.callbacks(cfg)]
+    return [reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reports.callbacks]
 
 
 def check_machine(cfg: Config, plan: RunPlan) -> None:
@@ -123,19 +137,18 @@ class RunData:
     eval_sets: dict = field(default_factory=dict)
     prompts: list = field(default_factory=list)
 
-    def eval_callbacks(self, cfg: Config) -> list[TrainerCallback]:
-        return evaluation.callbacks(cfg, self.prompts) if self.eval_sets else []
-
     def eval_parts(self, cfg: Config) -> dict:
         """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
-        log line: finetune/training/recipe_trainer.py); none without evaluation."""
+        log line: finetune/training/recipe_trainer.py), and the evaluation's callbacks (samples from the prompts);
+        none without evaluation."""
         if not self.eval_sets:
             return {}
         sets = self.eval_sets
         first = next(iter(sets.values()))
         setup = evaluation.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), cfg.eval.best_checkpoint)
         datasets = first.dataset if list(sets) == [""] else {name: s.dataset for name, s in sets.items()}
-        return {"eval_dataset": datasets, "eval_setup": setup}
+        callbacks = evaluation.callbacks(cfg, self.prompts)
+        return {"eval_dataset": datasets, "eval_setup": setup, "eval_callbacks": callbacks}
 
 
 def load_data(cfg: Config, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bool) -> RunData:

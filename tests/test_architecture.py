@@ -1,7 +1,8 @@
 """The shape of the package, read from its source (ast, nothing imported): no import circle (imports inside functions
 included), nothing imports an entry script, the drop-in (finetune/core) imports nothing of the recipe runner, the
 sub-packages say what they own, long modules and functions are few and known, one home for the process environment
-and for the ignore index, scripts import nothing from tests, and the console scripts name real functions."""
+and for the ignore index, scripts import nothing from tests, the console scripts name real functions, and no behaviour
+passes through side channels (a scanned callback list, attributes put on modules, another object's state assigned)."""
 
 import ast
 import importlib
@@ -180,3 +181,86 @@ def test_console_scripts_name_functions_that_exist():
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target
+
+
+# ---- behaviour passes through constructor arguments, held references and returned values, not side channels ----
+
+
+def assigned_attributes(tree: ast.AST) -> list[ast.Attribute]:
+    """Every `a.b` assigned in `tree` (=, +=, annotated; inside tuple unpacking too)."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets += target.elts
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute):
+                found.append(target)
+    return found
+
+
+def assigned_from_outside(target: ast.Attribute) -> str | None:
+    """Why assigning `target` changes another object's state behind its back, or None."""
+    text, owner = ast.unparse(target), target.value
+    if target.attr == "control" and text != "self.control":
+        return "a trainer's control assigned from outside the trainer"
+    if isinstance(owner, ast.Attribute) and owner.attr == "args":
+        return "training arguments changed after they were built"
+    if isinstance(owner, ast.Attribute) and owner.attr == "meter":
+        return "the step meter changed from outside WindowMeter"
+    if (isinstance(owner, ast.Name) and owner.id == "trainer") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "trainer"
+    ):
+        return "a trainer's attribute assigned from outside the trainer"
+    return None
+
+
+def side_channels(source: str) -> list[str]:
+    """Behaviour passed through side channels in `source`: a callback found by scanning the Trainer's callback list,
+    an attribute named `_finetune_*` (put on a module for a hook to find), state assigned from outside its owner."""
+    tree = ast.parse(source)
+    found = [
+        f"{node.lineno}: reads callback_handler.callbacks"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "callbacks"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "callback_handler"
+    ]
+    found += [
+        f"{node.lineno}: a _finetune_* attribute"
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_finetune_"))
+        or (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_finetune_"))
+    ]
+    for target in assigned_attributes(tree):
+        if why := assigned_from_outside(target):
+            found.append(f"{target.lineno}: {ast.unparse(target)} = …: {why}")
+    return found
+
+
+def test_no_behaviour_passes_through_side_channels():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}" for path in PACKAGE.rglob("*.py") for line in side_channels(path.read_text())
+    ]
+    assert found == [], "pass it as a constructor argument, a reference held from construction, or a returned value"
+
+
+def test_the_side_channel_check_can_fail():
+    offences = """
+stopper = next(c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback))
+model._finetune_dummy_image = dummy
+total = module.__dict__.pop("_finetune_dummy_sum", None)
+trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
+self.args.eval_on_start = not resume_from_checkpoint
+trainer.optimizer = trainer.lr_scheduler = None
+self.trainer.meter, other = meter, 1
+self.meter.since += time.perf_counter() - started
+self.control = self.callback_handler.on_train_begin(args, state, control)
+"""
+    lines = sorted(int(line.split(":")[0]) for line in side_channels(offences))
+    assert lines == [2, 3, 4, 5, 6, 7, 7, 8, 9]  # the trainer's own self.control (line 10) is its own

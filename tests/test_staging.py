@@ -33,7 +33,7 @@ def best_trainer(output_dir, save_model, step=3, metric=0.5):
         accelerator=SimpleNamespace(wait_for_everyone=lambda: None),  # one rank
         state=SimpleNamespace(global_step=step, best_metric=metric),
         save_model=save_model,
-        callback_handler=SimpleNamespace(callbacks=[]),  # no model.lora.merge: the saved model as it is
+        merge_lora=False,  # no model.lora.merge: the saved model as it is
     )
 
 

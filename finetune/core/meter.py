@@ -6,6 +6,7 @@ all-reduce as the label-token count, so every figure is global (the whole job), 
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -157,6 +158,15 @@ class WindowMeter:
         self.totals = [a + b for a, b in zip(self.totals, counts)]
         for key, count in zip(COUNTS, counts):
             self.run_totals[key] += count
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (an evaluation, a save of the best model) is not training's: the next rates skip it."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.since += time.perf_counter() - started
 
     def drain(self) -> dict[str, float]:
         """The logged figures since the previous drain; resets."""

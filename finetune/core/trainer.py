@@ -33,7 +33,6 @@ code, unchanged, with one warning. Set `model.loss_type = "ForCausalLM"` on a pl
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Mapping
 
 import torch
@@ -420,11 +419,8 @@ class TokenNormTrainer(Trainer):
         return loss.detach(), None, None
 
     def evaluate(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
+        with self.meter.paused():  # the step meter's clock skips the evaluation: training tokens/s stay training's
             return super().evaluate(*args, **kwargs)
-        finally:  # the step meter's clock skips the evaluation: training tokens/s stay training's
-            self.meter.since += time.perf_counter() - started
 
     def evaluating(self) -> bool:
         """Whether an evaluation loop is running: compute_loss then reports each batch's own token mean and adds its

@@ -4,6 +4,8 @@ one rule for module-name prefixes, shared with `optim.lr_multipliers`."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from finetune.recipe import ModelConfig, RecipeError, first_line
@@ -34,27 +36,35 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
     top = {n for n, _ in model.named_modules() if any(matches_prefix(n, p) for p in prefixes)}
     for name, module in model.named_modules():
         if name in top and name.rpartition(".")[0] not in top:  # outermost frozen modules only
-            module.register_forward_pre_hook(_enter_no_grad_if_frozen, with_kwargs=True)
-            module.register_forward_hook(_leave_no_grad, with_kwargs=True, always_call=True)
+            hooks = NoGradWhenFrozen()
+            module.register_forward_pre_hook(hooks.enter, with_kwargs=True)
+            module.register_forward_hook(hooks.leave, with_kwargs=True, always_call=True)
 
 
-# A frozen module fed inputs that need no gradient (a vision tower fed pixels) runs under no_grad, so autograd keeps
-# none of its activations even where something upstream (enable_input_require_grads, checkpointing) would.
-# Decided per call: a frozen module between trainable ones still passes gradients through.
-def _enter_no_grad_if_frozen(module, args, kwargs):
-    inputs = [*args, *kwargs.values()]
-    if (
-        torch.is_grad_enabled()
-        and not any(p.requires_grad for p in module.parameters())
-        and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
-    ):
-        module._finetune_grad_off = True
-        torch.set_grad_enabled(False)
+class NoGradWhenFrozen:
+    """The forward hooks of one outermost frozen module: fed inputs that need no gradient (a vision tower fed pixels),
+    it runs under no_grad, so autograd keeps none of its activations even where something upstream
+    (enable_input_require_grads, checkpointing) would. Decided per call: a frozen module between trainable ones still
+    passes gradients through."""
 
+    def __init__(self):
+        # the threads whose call turned gradients off (grad mode is per thread; DataParallel runs replicas in threads)
+        self.turned_off: set[int] = set()
 
-def _leave_no_grad(module, args, kwargs, output):
-    if module.__dict__.pop("_finetune_grad_off", False):
-        torch.set_grad_enabled(True)
+    def enter(self, module, args, kwargs):
+        inputs = [*args, *kwargs.values()]
+        if (
+            torch.is_grad_enabled()
+            and not any(p.requires_grad for p in module.parameters())
+            and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+        ):
+            self.turned_off.add(threading.get_ident())
+            torch.set_grad_enabled(False)
+
+    def leave(self, module, args, kwargs, output):
+        if threading.get_ident() in self.turned_off:
+            self.turned_off.discard(threading.get_ident())
+            torch.set_grad_enabled(True)
 
 
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head

@@ -13,20 +13,10 @@ import os
 import shutil
 
 import torch
-from transformers import TrainerCallback
 
 ADAPTER = "adapter"  # the folder beside the merged model that holds the adapter
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md")
 LORA_A, LORA_B, BASE = ".lora_A.{}.weight", ".lora_B.{}.weight", ".base_layer."
-
-
-class MergedSaves(TrainerCallback):
-    """Present among a run's callbacks when model.lora.merge is set: the final save and best/ are merged
-    (`write_merged`). It takes part in no Trainer event."""
-
-
-def merging(trainer) -> bool:
-    return any(isinstance(c, MergedSaves) for c in trainer.callback_handler.callbacks)
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], peft_model) -> dict[str, torch.Tensor]:
@@ -57,10 +47,9 @@ def merged_state_dict(state: dict[str, torch.Tensor], peft_model) -> dict[str, t
 
 
 def write_merged(trainer, folder: str) -> None:
-    """After `trainer.save_model(folder)` wrote the adapter: on a model.lora.merge run, the adapter moves into
-    folder/adapter and the merged full model is written in its place (every rank: the state dict is gathered)."""
-    if not merging(trainer):
-        return
+    """After `trainer.save_model(folder)` wrote the adapter (a model.lora.merge run: RecipeTrainer's `merge_lora`): the
+    adapter moves into folder/adapter and the merged full model is written in its place (every rank: the state dict is
+    gathered)."""
     state = trainer.accelerator.get_state_dict(trainer.model)
     if not trainer.args.should_save:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 
 import torch
 
@@ -184,22 +185,29 @@ def run_vision_on_every_batch(model, dummy) -> None:
     """A training micro-batch without images still runs the vision tower, on a black image whose features enter the
     logits times zero: the loss and every gradient are unchanged (a zero gradient for the tower), but every rank runs
     the same collectives (FSDP gathers the tower's shards) and every trainable parameter gets a gradient (DDP)."""
-    model._finetune_dummy_image = dummy
-    model.register_forward_pre_hook(_dummy_image_features, with_kwargs=True)
-    model.register_forward_hook(_add_zero_weighted, with_kwargs=True, always_call=True)
+    hooks = DummyImageFeatures(dummy)
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
 
-def _dummy_image_features(module, args, kwargs):
-    dummy = module._finetune_dummy_image
-    if module.training and torch.is_grad_enabled() and all(kwargs.get(k) is None for k in dummy):
-        module._finetune_dummy_sum = torch.stack([f.sum() for f in image_features(module, dummy)]).sum()
+class DummyImageFeatures:
+    """The model's forward hooks for `run_vision_on_every_batch`: the dummy image inputs, and the sum of their features
+    from a forward's start to its end."""
 
+    def __init__(self, dummy: dict):
+        self.dummy = dummy
+        self.pending: dict[int, torch.Tensor] = {}  # per thread: DataParallel runs replicas in threads
 
-def _add_zero_weighted(module, args, kwargs, output):
-    total = module.__dict__.pop("_finetune_dummy_sum", None)
-    if total is not None and output is not None and getattr(output, "logits", None) is not None:
-        output.logits = output.logits + 0.0 * total.to(output.logits.dtype)
-    return output
+    def before(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and all(kwargs.get(k) is None for k in self.dummy):
+            features = image_features(module, self.dummy)
+            self.pending[threading.get_ident()] = torch.stack([f.sum() for f in features]).sum()
+
+    def after(self, module, args, kwargs, output):
+        total = self.pending.pop(threading.get_ident(), None)
+        if total is not None and output is not None and getattr(output, "logits", None) is not None:
+            output.logits = output.logits + 0.0 * total.to(output.logits.dtype)
+        return output
 
 
 # ---- LoRA on the language model only ----

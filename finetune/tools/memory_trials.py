@@ -196,12 +196,10 @@ class Trials:
     def kv_cache_bytes(self) -> tuple[float, int]:
         """(bytes, tokens) of the KV cache generating a sample from the longest sample prompt: keys and values of
         every layer for the prompt and eval.max_new_tokens."""
-        from finetune.training.samples import GenerateSamples
-
-        samples = [c for c in self.trainer.callback_handler.callbacks if isinstance(c, GenerateSamples)]
-        if not samples:
+        evaluating = self.trainer.eval_callbacks
+        if evaluating is None or evaluating.samples is None:
             return 0.0, 0
-        prompt = max(p.inputs["input_ids"].shape[1] for p in samples[0].prompts)
+        prompt = max(p.inputs["input_ids"].shape[1] for p in evaluating.samples.prompts)
         tokens = prompt + self.cfg.eval.max_new_tokens
         config = self.model.config.get_text_config()
         heads = config.num_attention_heads

@@ -141,6 +141,11 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             recorder.window_fetched(len(samples))
             return samples, count
 
+        def release_training_state(self) -> None:
+            """Once trained: the optimizer, the schedule and the wrapped model let go of, so the reference has room."""
+            self.optimizer = self.lr_scheduler = self.model_wrapped = None
+            self.accelerator.free_memory()
+
         def _clip_grad_norm(self, model):
             # The reference is clipped by the factor the trainer clipped with, so the check is of the gradient, not of
             # the rounding of torch's float32 norm over millions of elements (both norms are reported).

@@ -10,7 +10,6 @@ Nothing heavy is imported before the recipe is known good: a typo fails in a sec
 
 from __future__ import annotations
 
-import os
 import sys
 
 from finetune.env import cpu_threads, world_size
@@ -81,7 +80,9 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
         plan = plan or resolve_plan(cfg, world_size())
         record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
         ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
-        trainer = build(cfg, plan, callbacks=(*callbacks, record, ends_evaluation), stop_request=stop)
+        trainer = build(
+            cfg, plan, callbacks=(*callbacks, record, ends_evaluation), run_files=(record,), stop_request=stop
+        )
         lifecycle.check_space(cfg.train.output_dir, trainer.model)
         resume = checkpoints.resume_path(cfg.train)  # auto: the newest complete checkpoint-N, or a fresh start
         if line := lifecycle.start_line(cfg.train, resume):
@@ -97,15 +98,11 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
             return 0
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
-        texts = {"recipe.yaml": record.text()}  # what trained: this recipe, after what each resume changed
-        for callback in trainer.callback_handler.callbacks:
-            if isinstance(callback, reporting.TimingLog):
-                texts[os.path.basename(callback.path)] = callback.text()
+        texts = trainer.files_of_run()  # recipe.yaml (this recipe, after what each resume changed), timings.jsonl
         lifecycle.save_final(trainer, texts if trainer.is_world_process_zero() else {})
     figures = run_summary.summary(cfg, trainer, start_step)
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, reporting.RecipeWandbCallback):
-            callback.finish(figures)
+    if trainer.reports.wandb is not None:
+        trainer.reports.wandb.finish(figures)
     if trainer.is_world_process_zero():
         run_summary.print_summary(cfg, trainer, figures)
     lifecycle.leave_together(trainer)

@@ -140,8 +140,7 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
     model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
-    trainer.optimizer = trainer.lr_scheduler = trainer.model_wrapped = None
-    trainer.accelerator.free_memory()
+    trainer.release_training_state()
     gc.collect()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     n_trainable = sum(p.numel() for p in trainable.values())

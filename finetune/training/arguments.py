@@ -49,8 +49,10 @@ def data_keys(data: DataConfig, per_device_batch_size: int, group_by_length: boo
 
 
 def eval_keys(ev: EvalConfig) -> dict:
-    """The evaluation's keys (only with an eval set): when, batch items (whole micro-batches), what is best."""
+    """The evaluation's keys (only with an eval set): when (before the first step, every eval.every_steps), batch items
+    (whole micro-batches), what is best."""
     keys = {"eval_strategy": "steps" if ev.every_steps else "no", "per_device_eval_batch_size": 1}
+    keys["eval_on_start"] = True  # a fresh run's; a resumed run skips it (RecipeTrainer._evaluate)
     if ev.every_steps:
         keys["eval_steps"] = ev.every_steps
     if ev.best_checkpoint or ev.early_stopping_patience:

@@ -204,9 +204,10 @@ def load_rng_state(file: str) -> None:
 # ---- the Trainer's checkpoint hooks ----
 
 
-def save_atomically(trainer, write: Callable[[str], None]) -> None:
+def save_atomically(trainer, write: Callable[[str], None], files: dict[str, str]) -> None:
     """`write(root)`, the Trainer's own checkpoint save into `root` (RecipeTrainer.save_checkpoint_into), with
-    output_dir/.staging as root; once every rank has written its part, rank 0 renames it into place, then rotates.
+    output_dir/.staging as root; once every rank has written its part, rank 0 adds `files` ({file name: text}: the
+    run's recipe.yaml, timings.jsonl), renames it into place, then rotates.
 
     transformers writes checkpoint-N in place, file after file: a kill mid-save would leave a folder that looks like a
     checkpoint and would be resumed from (staging.py: the same skeleton as the best model and the final set).
@@ -217,10 +218,9 @@ def save_atomically(trainer, write: Callable[[str], None]) -> None:
     name = f"checkpoint-{trainer.state.global_step}"
 
     def finish(staged: str) -> None:
-        for callback in trainer.callback_handler.callbacks:  # recipe.yaml, timings.jsonl: files of the run
-            for file_name, text in getattr(callback, "files_for_checkpoint", dict)().items():
-                with open(os.path.join(staged, file_name), "w") as f:
-                    f.write(text)
+        for file_name, text in files.items():
+            with open(os.path.join(staged, file_name), "w") as f:
+                f.write(text)
         checkpoint_files.record_sizes(staged)  # what resume checks each file against
         write_state(staged, trainer.checkpoint_state())  # last: it marks the folder complete
         commit(staged, os.path.join(run_dir, name))

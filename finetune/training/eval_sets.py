@@ -13,7 +13,8 @@ from finetune.core import token_mean
 
 
 def evaluate_sets(trainer, datasets: dict, ignore_keys=None, prefix: str = "eval") -> dict[str, float]:
-    """What `trainer.evaluate()` returns for the recipe's named eval sets (`datasets`: {name: dataset})."""
+    """What `trainer.evaluate()` returns for the recipe's named eval sets (`datasets`: {name: dataset}); the trainer
+    logs them and calls on_evaluate once (RecipeTrainer.evaluate)."""
     started = time.time()
     metrics: dict[str, float] = {}
     samples = 0
@@ -29,6 +30,4 @@ def evaluate_sets(trainer, datasets: dict, ignore_keys=None, prefix: str = "eval
         samples += output.num_samples
     metrics.update(token_mean.combined_metrics(metrics, list(datasets), prefix))
     metrics.update(speed_metrics(prefix, started, num_samples=samples, num_steps=samples))
-    trainer.log(metrics)
-    trainer.control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, metrics)
     return metrics

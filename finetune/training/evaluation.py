@@ -24,6 +24,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
@@ -34,6 +35,9 @@ from finetune.recipe import Config
 from finetune.training import distributed
 from finetune.training.checkpoints import staging_root
 from finetune.training.staging import removed_when_empty, save_staged
+
+if TYPE_CHECKING:
+    from finetune.training.samples import GenerateSamples
 
 BEST = "best"  # train.output_dir/best: the model of the lowest eval loss (eval.best_checkpoint)
 BEST_FILE = "best.json"
@@ -67,7 +71,8 @@ def save_best(trainer) -> None:
     def write(staged: str) -> None:
         with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
             trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-            lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
+            if trainer.merge_lora:  # model.lora.merge: the merged model, the adapter in adapter/
+                lora_merge.write_merged(trainer, staged)
 
     def finish(staged: str) -> None:
         with open(os.path.join(staged, BEST_FILE), "w") as f:
@@ -95,16 +100,26 @@ class EvaluateAtEnd(TrainerCallback):
             control.should_evaluate = True
 
 
-def callbacks(cfg: Config, prompts: list) -> list[TrainerCallback]:
-    """What an evaluating recipe adds to the Trainer's callbacks; `prompts`: finetune.data.prompts.SamplePrompt."""
+@dataclass
+class EvalCallbacks:
+    """What an evaluating recipe adds to the Trainer's callbacks (`callbacks`), and by name those others read: the
+    sample generator (the planner's KV-cache estimate) and early stopping (the end-of-run figures)."""
+
+    callbacks: list[TrainerCallback]
+    samples: GenerateSamples | None
+    early_stopping: EarlyStopping | None
+
+
+def callbacks(cfg: Config, prompts: list) -> EvalCallbacks:
+    """`prompts`: finetune.data.prompts.SamplePrompt, generated from at each evaluation."""
     from finetune.training.samples import GenerateSamples
 
-    added: list[TrainerCallback] = [EvaluateAtEnd()]
-    if prompts:
-        added.append(GenerateSamples(prompts, cfg.eval.max_new_tokens))
-    if cfg.eval.early_stopping_patience:
-        added.append(EarlyStopping(cfg.eval.early_stopping_patience))
-    return added
+    at_end = EvaluateAtEnd()
+    samples = GenerateSamples(prompts, cfg.eval.max_new_tokens) if prompts else None
+    patience = cfg.eval.early_stopping_patience
+    early_stopping = EarlyStopping(patience) if patience else None
+    added = [at_end, *(c for c in (samples, early_stopping) if c is not None)]
+    return EvalCallbacks(added, samples, early_stopping)
 
 
 def eval_line(logs: dict, step: int, max_steps: int) -> str:
@@ -146,7 +161,8 @@ def summary(trainer) -> dict:
             best_eval_loss=trainer.state.best_metric,
             best_model=os.path.abspath(best),
         )
-    stopper = next((c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)), None)
+    evaluating = getattr(trainer, "eval_callbacks", None)
+    stopper = evaluating.early_stopping if evaluating is not None else None
     if stopper is not None and stopper.early_stopping_patience_counter >= stopper.early_stopping_patience:
         figures["stopped_early_at"] = trainer.state.global_step
     return figures

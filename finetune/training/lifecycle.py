@@ -96,7 +96,8 @@ def save_final(trainer, texts: dict[str, str]) -> None:
 
     def write(staged: str) -> None:
         trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-        lora_merge.write_merged(trainer, staged)  # model.lora.merge: the merged model, the adapter in adapter/
+        if trainer.merge_lora:  # model.lora.merge: the merged model, the adapter in adapter/
+            lora_merge.write_merged(trainer, staged)
 
     staged = output_dir.sibling(run_dir)
     save_staged(trainer, str(staged), "the final model", write, finish)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
@@ -19,7 +20,7 @@ from transformers.utils import logging
 
 from finetune.core.trainer import TokenNormTrainer
 from finetune.recipe import RecipeError
-from finetune.training import checkpoints, distributed, evaluation, lifecycle, resume_checks
+from finetune.training import checkpoints, distributed, evaluation, lifecycle, reporting, resume_checks
 from finetune.training.eval_sets import evaluate_sets
 
 logger = logging.get_logger(__name__)
@@ -43,6 +44,15 @@ def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite:
     return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
 
 
+@dataclass(frozen=True)
+class StagingRoot:
+    """The folder a checkpoint save writes checkpoint-N into (train.output_dir/.staging), handed to the Trainer's own
+    `_save_checkpoint` as its trial: it reads its output folder from `_get_output_dir(trial)` and the trial nowhere
+    else but to decide whether to store the FLOs (transformers 5.24)."""
+
+    path: str
+
+
 class RecipeTrainer(TokenNormTrainer):
     """What a recipe run trains with: TokenNormTrainer with the recipe's optimizer and schedule.
 
@@ -53,6 +63,11 @@ class RecipeTrainer(TokenNormTrainer):
     counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
     Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
+    `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
+    `run_files`: what writes the run's files into every checkpoint-N and the final save (`files_of_run`: timings.jsonl,
+    recipe.yaml). `reports`: the run's reporting callbacks (among `callbacks`); `eval_callbacks`: the evaluation's,
+    added after `callbacks`; both held by name for what reads them (W&B's end-of-run figures, early stopping, the
+    sample prompts).
     """
 
     def __init__(
@@ -65,15 +80,23 @@ class RecipeTrainer(TokenNormTrainer):
         stop_request=None,
         data_order_change: str = "error",
         eval_setup: evaluation.EvalSetup | None = None,
+        merge_lora: bool = False,
+        run_files: Sequence = (),
+        reports: reporting.RunReports | None = None,
+        eval_callbacks: evaluation.EvalCallbacks | None = None,
         **kwargs,
     ):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
         self.on_nonfinite, self.stop_request = on_nonfinite, stop_request
         self.data_order_change = data_order_change  # train.resume_data_order_change: error | allow
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
-        self._checkpoint_root: str | None = None  # where save_checkpoint_into has the Trainer's own save write
         self.eval_setup = eval_setup
+        self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
+        self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
+        self.reports, self.eval_callbacks = reports, eval_callbacks  # held by name for what reads them
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
+        if eval_callbacks is not None:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or ()), *eval_callbacks.callbacks]
         super().__init__(*args, **kwargs)
         distributed.reduce_in_fp32()  # FSDP2 under bf16/fp16: before train() shards the model with the policy
         # StepProgress (finetune/training/reporting.py) prints one line per step instead of disable_tqdm's printer
@@ -88,8 +111,6 @@ class RecipeTrainer(TokenNormTrainer):
         if isinstance(resume_from_checkpoint, str):
             checkpoints.check_same_model(resume_from_checkpoint, self.model)
             self.restore_checkpoint_state(checkpoints.read_state(resume_from_checkpoint))
-        if self.eval_setup is not None:  # a resumed run's log history holds the evaluation before step 1 already
-            self.args.eval_on_start = not resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _run_epoch(self, *args, **kwargs):
@@ -101,19 +122,24 @@ class RecipeTrainer(TokenNormTrainer):
         return super()._run_epoch(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):  # staged, then renamed into place: complete or absent
-        checkpoints.save_atomically(self, lambda root: self.save_checkpoint_into(root, model, trial))
+        checkpoints.save_atomically(
+            self, lambda root: self.save_checkpoint_into(root, model, trial), self.files_of_run()
+        )
+
+    def files_of_run(self) -> dict[str, str]:
+        """{file name: text} of the run's own files (`run_files`): into every checkpoint-N and the final save."""
+        return {name: text for source in self.run_files for name, text in source.files_for_checkpoint().items()}
 
     def save_checkpoint_into(self, root: str, model, trial) -> None:
         """The Trainer's own checkpoint save (root/checkpoint-N: weights, optimizer, RNG, trainer state; rotation in
-        root) with `root` in place of train.output_dir, which the Trainer asks `_get_output_dir` for."""
-        self._checkpoint_root = root
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._checkpoint_root = None
+        root) with `root` in place of train.output_dir. The Trainer takes that folder from `_get_output_dir(trial)`,
+        so `root` travels down as the trial it is given (`StagingRoot`)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()  # what the Trainer's save does for a trial of None, which it is not given here
+        super()._save_checkpoint(model, StagingRoot(root))
 
     def _get_output_dir(self, trial):
-        return self._checkpoint_root or super()._get_output_dir(trial)
+        return trial.path if isinstance(trial, StagingRoot) else super()._get_output_dir(trial)
 
     def _save_rng_state(self, output_dir):
         # plain tensors and ints, so the file loads with torch.load(weights_only=True)
@@ -252,19 +278,27 @@ class RecipeTrainer(TokenNormTrainer):
 
     # ---- evaluation on the recipe's eval set ----
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        if self.eval_setup is None:
-            return super().get_eval_dataloader(eval_dataset)
-        collator, self.data_collator = self.data_collator, self.eval_setup.collator
-        try:
-            return super().get_eval_dataloader(eval_dataset)
-        finally:
-            self.data_collator = collator
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        # The Trainer's dataloaders take their collator from here (the eval sets are MicroBatches, not
+        # datasets.Dataset): evaluation batches with the eval set's own collator.
+        if self.eval_setup is not None and description == "Evaluation":
+            data_collator = self.eval_setup.collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False):
+        # skip_scheduler: the Trainer's evaluation before the first step (eval_on_start). A step above 0 there: resumed
+        # from a checkpoint, whose log history holds that evaluation already.
+        if skip_scheduler and self.state.global_step > 0:
+            return {}
+        return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         try:
             if eval_dataset is None and isinstance(self.eval_dataset, dict):  # named eval sets: one evaluation
-                return evaluate_sets(self, self.eval_dataset, ignore_keys, metric_key_prefix)
+                metrics = evaluate_sets(self, self.eval_dataset, ignore_keys, metric_key_prefix)
+                self.log(metrics)
+                self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+                return metrics
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         except lifecycle.EvaluationStopped:  # a stop request mid-evaluation: nothing logged, the checkpoint comes next
             return {}
@@ -276,9 +310,8 @@ class RecipeTrainer(TokenNormTrainer):
         if new_best and self.eval_setup is not None:
             self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
             if self.eval_setup.keep_best:
-                started = time.perf_counter()
-                evaluation.save_best(self)
-                self.meter.since += time.perf_counter() - started  # training tokens/s skip the save
+                with self.meter.paused():  # training tokens/s skip the save
+                    evaluation.save_best(self)
         return new_best
 
     def create_optimizer(self, model=None):

@@ -12,6 +12,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf
@@ -20,7 +21,6 @@ from transformers.integrations import WandbCallback
 
 from finetune.core.meter import TIMING_KEYS
 from finetune.env import is_main_process
-from finetune.model.lora_merge import MergedSaves
 from finetune.recipe import Config, RecipeError
 from finetune.training.console import StepProgress
 
@@ -168,7 +168,7 @@ class TimingLog(TrainerCallback):
         if state.is_world_process_zero and figures:
             self.lines.append(json.dumps({"step": state.global_step, **figures}) + "\n")
 
-    def files_for_checkpoint(self) -> dict[str, str]:  # written into each checkpoint-N by save_atomically
+    def files_for_checkpoint(self) -> dict[str, str]:  # RecipeTrainer's run_files: each checkpoint-N, the final save
         return {self.NAME: self.text()}
 
     def text(self) -> str:
@@ -225,13 +225,21 @@ class ProfileSteps(TrainerCallback):
         self.profiler = None
 
 
-def callbacks(cfg: Config) -> list[TrainerCallback]:
-    """What a recipe run adds to the Trainer's callbacks (StepProgress replaces the Trainer's own progress bar)."""
-    added: list[TrainerCallback] = [StepProgress(), TimingLog(cfg.train.output_dir)]
-    if wandb_mode(cfg) != "disabled":
-        added.append(RecipeWandbCallback(cfg))
+@dataclass
+class RunReports:
+    """What a recipe run adds to the Trainer's callbacks (`callbacks`; StepProgress replaces the Trainer's own progress
+    bar), and by name the two others use: `timings` (its file goes into every checkpoint and the final save) and
+    `wandb` (given the end-of-run figures; None when log.wandb_mode=disabled)."""
+
+    callbacks: list[TrainerCallback]
+    timings: TimingLog
+    wandb: RecipeWandbCallback | None
+
+
+def reports(cfg: Config) -> RunReports:
+    progress, timings = StepProgress(), TimingLog(cfg.train.output_dir)
+    wandb = RecipeWandbCallback(cfg) if wandb_mode(cfg) != "disabled" else None
+    added: list[TrainerCallback] = [progress, timings, *([wandb] if wandb else [])]
     if cfg.train.profile_steps:
         added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
-    if cfg.model.lora.merge:  # the final save and best/ are the merged model (finetune/model/lora_merge.py)
-        added.append(MergedSaves())
-    return added
+    return RunReports(added, timings, wandb)
