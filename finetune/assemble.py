@@ -22,6 +22,7 @@ from transformers import TrainerCallback, set_seed
 
 from finetune.data import batching, heldout, mixture
 from finetune.data.chat_templates import use_chat_template
+from finetune.data.image_inputs import ImageInputs
 from finetune.data.prompts import sample_prompts
 from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
@@ -121,7 +122,7 @@ def load_tokenizer(cfg: Config, plan: RunPlan):
     plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
     folder = loading.model_folder(cfg.model)
     vision = vlm.is_vlm(cfg, plan, folder)
-    rows = image_text_rows(vlm.forward_image_inputs(cfg.model, folder)) if vision else TEXT_ROWS
+    rows = image_text_rows(ImageInputs(**vlm.forward_image_inputs(cfg.model, folder))) if vision else TEXT_ROWS
     check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
     use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read

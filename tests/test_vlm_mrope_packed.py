@@ -15,7 +15,7 @@ from finetune.core.meter import batch_counts
 from finetune.data.batching import row_collator
 from finetune.data.image_inputs import ImageInputs
 from finetune.data.vision import VisionCollator
-from finetune.model.image_rows import image_inputs, packing_refusal
+from finetune.model.image_rows import forward_inputs, packing_refusal
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching
 from finetune.testing.reference import reference_gradient, relative_error
@@ -38,7 +38,7 @@ class Recording:
 def test_packed_rows_carry_each_sequences_own_rope_positions(family):
     model = tiny(family).eval()
     assert packing_refusal(model.config) is None
-    inputs = image_inputs(model.config)
+    inputs = ImageInputs(**forward_inputs(model.config))
     assert inputs.type_ids_key == "mm_token_type_ids" and inputs.rope_index is not None
     processor = image_processor()
     collate = VisionCollator(
@@ -89,7 +89,7 @@ def test_packed_mrope_rows_match_the_float64_per_sequence_reference(family, atte
     inner = VisionCollator(
         row_collator(Batching("packed", 1, None), None),
         SimpleNamespace(image_processor=processor),
-        image_inputs(model.config),
+        ImageInputs(**forward_inputs(model.config)),
     )
     collator = Recording(inner)
     import datasets

@@ -232,11 +232,14 @@ def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
 def test_gemma3_image_batches_carry_token_type_ids_so_image_tokens_attend_both_ways():
     """Gemma3's processor marks its image tokens in token_type_ids; without them its training forward attends to them
     causally (not as at inference). The collator's inputs mark them from the token ids alone."""
-    from finetune.model.image_rows import image_inputs
+    from finetune.data.image_inputs import ImageInputs
+    from finetune.model.image_rows import forward_inputs
 
     model = tiny_gemma3().eval()
     ids = torch.tensor([[5, 6, 297, 299, 299, 299, 299, 298, 7, 8]])
-    batch = image_inputs(model.config).add_to({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    batch = ImageInputs(**forward_inputs(model.config)).add_to(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    )
     assert batch["token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 0, 0, 0]]
     pixels = torch.randn(1, 3, 28, 28)
     with torch.no_grad():

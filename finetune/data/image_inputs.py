@@ -8,7 +8,8 @@
   sequence run by itself. transformers reads `position_ids` of shape [4, B, L]: a text row restarting at every
   sequence (the attention and its mask keep the sequences apart by it) over the three rope rows.
 
-Imports torch only: the model layer (finetune/model/vlm.py) builds an `ImageInputs` from a model's config.
+Imports torch only: finetune/assemble.py makes an `ImageInputs` from what the model layer reads in the model's config
+(finetune/model/image_rows.py `forward_inputs`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""How a VLM's image rows reach its forward: the token types and rope positions the collator makes for it
-(finetune/data/image_inputs.py), and whether its rows pack exactly (a refusal naming the batching that works)."""
+"""How a VLM's image rows reach its forward: what its forward takes beside them (the token types and rope positions
+that finetune/data/image_inputs.py's collator part makes from this description; finetune/assemble.py joins the two),
+and whether its rows pack exactly (a refusal naming the batching that works)."""
 
 from __future__ import annotations
 
-from finetune.data.image_inputs import ImageInputs
 from finetune.recipe import ModelConfig, RecipeError, RunPlan
 
 
@@ -17,10 +17,10 @@ def image_text_class(config):
         return None
 
 
-def image_inputs(config) -> ImageInputs:
-    """The token types and rope positions this VLM's forward takes, made by the collator (data/image_inputs.py):
-    `mm_token_type_ids` and, for packed rows, the model's own get_rope_index bound to its config (the Qwen-VL family,
-    GLM-4V); Gemma3's `token_type_ids` (its image tokens attend both ways in training only when it is given)."""
+def forward_inputs(config) -> dict:
+    """The token types and rope positions this VLM's forward takes, as `ImageInputs`' fields: `mm_token_type_ids`
+    and, for packed rows, the model's own get_rope_index bound to its config (the Qwen-VL family, GLM-4V); Gemma3's
+    `token_type_ids` (its image tokens attend both ways in training only when it is given); {} for neither."""
     import inspect
     from types import SimpleNamespace
 
@@ -38,10 +38,10 @@ def image_inputs(config) -> ImageInputs:
             owner.get_vision_position_ids = base.get_vision_position_ids.__get__(owner)
             rope_index = base.get_rope_index.__get__(owner)
         types = {image: 1, **({ids["video_token_id"]: 2} if ids["video_token_id"] is not None else {})}
-        return ImageInputs("mm_token_type_ids", types, rope_index)
+        return {"type_ids_key": "mm_token_type_ids", "type_of": types, "rope_index": rope_index}
     if "token_type_ids" in forward and getattr(config, "model_type", "") != "paligemma":
-        return ImageInputs("token_type_ids", {image: 1})
-    return ImageInputs()
+        return {"type_ids_key": "token_type_ids", "type_of": {image: 1}}
+    return {}
 
 
 def packing_refusal(config) -> str | None:
@@ -54,7 +54,7 @@ def packing_refusal(config) -> str | None:
     if cls is None:
         return f"{type(config).__name__} is not a transformers image-text model whose positions and masks are known"
     forward = inspect.signature(cls.forward).parameters
-    if "mm_token_type_ids" in forward and image_inputs(config).rope_index is None:
+    if "mm_token_type_ids" in forward and forward_inputs(config).get("rope_index") is None:
         return (
             "it computes its own rotary positions from each whole row and has no get_rope_index to give them per "
             "sequence"

@@ -127,32 +127,3 @@ def image_tokenizer(tokenizer, tokens: tuple[str, ...] = (IMAGE_TOKEN,), marker:
     if not tokenizer.chat_template.startswith(prefix):
         tokenizer.chat_template = prefix + tokenizer.chat_template
     return tokenizer
-
-
-def assembly_kind(cfg: ModelConfig) -> str | None:
-    """What model.vision_config assembles (its model_type: a LLaVA by default, or a Qwen2.5-VL); None: nothing."""
-    from finetune.model import qwen_vl
-
-    kind = cfg.vision_config.get("model_type", SIGLIP) if cfg.vision_config else None
-    if kind not in (None, SIGLIP, qwen_vl.MODEL_TYPE):
-        raise RecipeError(
-            f"model.vision_config.model_type={kind}: one of {SIGLIP} (a LLaVA, the default) or {qwen_vl.MODEL_TYPE}"
-        )
-    return kind
-
-
-def assembled_config(cfg: ModelConfig):
-    """A default config of the class model.vision_config assembles: enough for what depends on the class only."""
-    from transformers import LlavaConfig, Qwen2_5_VLConfig
-
-    return LlavaConfig() if assembly_kind(cfg) == SIGLIP else Qwen2_5_VLConfig()
-
-
-def vlm_folder(cfg: ModelConfig, folder: str) -> str:
-    """The folder a VLM loads from: `folder` itself, or the model that model.vision_config assembles from it."""
-    from finetune.model import qwen_vl
-
-    kind = assembly_kind(cfg)
-    if kind is None:
-        return folder
-    return str((assembled_folder if kind == SIGLIP else qwen_vl.assembled_folder)(cfg, folder))

@@ -14,11 +14,11 @@ import threading
 
 import torch
 
-from finetune.data.image_inputs import ImageInputs
 from finetune.env import is_main_process
+from finetune.model.assemblies import assembled_config, vlm_folder
 from finetune.model.freeze import freeze
-from finetune.model.image_rows import check_packing, image_inputs
-from finetune.model.llava import IMAGE_TOKEN, assembled_config, vlm_folder
+from finetune.model.image_rows import check_packing, forward_inputs
+from finetune.model.llava import IMAGE_TOKEN
 from finetune.model.loading import DTYPES
 from finetune.model.processors import auto_processor
 from finetune.recipe import Config, ModelConfig, RecipeError, RunPlan, first_line
@@ -51,12 +51,13 @@ def is_vlm(cfg: Config, plan: RunPlan, folder: str) -> bool:
     return vision
 
 
-def forward_image_inputs(cfg: ModelConfig, folder: str) -> ImageInputs:
-    """What this VLM's forward takes beside the token ids and pixels (token types, packed rows' rope positions)."""
+def forward_image_inputs(cfg: ModelConfig, folder: str) -> dict:
+    """What this VLM's forward takes beside the token ids and pixels (token types, packed rows' rope positions), as
+    finetune/data/image_inputs.py's `ImageInputs` fields."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(vlm_folder(cfg, folder), trust_remote_code=cfg.trust_remote_code)
-    return image_inputs(config)
+    return forward_inputs(config)
 
 
 # ---- loading ----

@@ -12,9 +12,10 @@ import torch
 
 from finetune import TokenNormTrainer
 from finetune.data.batching import row_collator
+from finetune.data.image_inputs import ImageInputs
 from finetune.data.vision import VisionCollator
 from finetune.env import exit_process
-from finetune.model.image_rows import image_inputs
+from finetune.model.image_rows import forward_inputs
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Batching
 from finetune.testing.toy import SnapshotCallback, sgd_args
@@ -25,7 +26,9 @@ def main(out: str) -> None:
     model = tiny("qwen2_5_vl")
     assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
     processor = SimpleNamespace(image_processor=image_processor())
-    collator = VisionCollator(row_collator(Batching("packed", 1, None), None), processor, image_inputs(model.config))
+    collator = VisionCollator(
+        row_collator(Batching("packed", 1, None), None), processor, ImageInputs(**forward_inputs(model.config))
+    )
     snapshots = SnapshotCallback()
     trainer = TokenNormTrainer(
         model=model, args=sgd_args(out + ".trainer", 3, 1, max_steps=1), train_dataset=datasets.Dataset.from_list(ROWS),
