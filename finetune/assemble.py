@@ -20,19 +20,20 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback, set_seed
 
-from finetune.data import batching, heldout, mixture
+from finetune.data import batching, mixture, training_set
 from finetune.data.chat_templates import use_chat_template
 from finetune.data.image_inputs import ImageInputs
-from finetune.data.prompts import sample_prompts
 from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
+from finetune.evaluation import metrics, sets
+from finetune.evaluation.prompts import sample_prompts
 from finetune.model import loading, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import Config, RecipeError, RunPlan, resolve_plan
 from finetune.recipe.checks import precision_on_device, precision_warning
 from finetune.recipe.set_checks import ignored_eval_keys
-from finetune.training import distributed, evaluation, reporting, schedules
+from finetune.training import distributed, reporting, schedules
 from finetune.training.arguments import training_arguments
 from finetune.training.recipe_trainer import RecipeTrainer
 
@@ -146,16 +147,16 @@ class RunData:
             return {}
         sets = self.eval_sets
         first = next(iter(sets.values()))
-        setup = evaluation.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), cfg.eval.best_checkpoint)
+        setup = metrics.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), cfg.eval.best_checkpoint)
         datasets = first.dataset if list(sets) == [""] else {name: s.dataset for name, s in sets.items()}
-        callbacks = evaluation.callbacks(cfg, self.prompts)
+        callbacks = metrics.callbacks(cfg, self.prompts)
         return {"eval_dataset": datasets, "eval_setup": setup, "eval_callbacks": callbacks}
 
 
 def load_data(cfg: Config, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bool) -> RunData:
     """The training micro-batches and, where the recipe evaluates and `evaluate`, its eval sets and sample prompts."""
     data, seed = cfg.data, cfg.train.seed
-    load_rows = mixture.load_mixture if data.mixture else heldout.load_training_set
+    load_rows = mixture.load_mixture if data.mixture else training_set.load_training_set
     dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, rows)
     reporting.main_print(f"data: {report.summary()}")
     if ignored := ignored_eval_keys(cfg):  # eval.fraction=0 alone turns evaluation off
@@ -164,7 +165,7 @@ def load_data(cfg: Config, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bo
     run_data = RunData(batches=dataclasses.replace(batches, collator=rows.collator(batches.collator, tokenizer)))
     if evaluate and plan.evaluation is not None:
         training = None if data.streaming else dataset
-        run_data.eval_sets = heldout.load_eval_sets(
+        run_data.eval_sets = sets.load_eval_sets(
             cfg.eval, plan.evaluation, data, held, plan.eval_sets, training, seed, tokenizer, rows
         )
         for eval_set in run_data.eval_sets.values():
@@ -185,7 +186,7 @@ def load_model(cfg: Config, folder: str, tokenizer, rows: RowKind, packs: bool):
     return model
 
 
-def eval_prompts(cfg: Config, eval_set: heldout.EvalSet, tokenizer, vision: bool) -> list:
+def eval_prompts(cfg: Config, eval_set: sets.EvalSet, tokenizer, vision: bool) -> list:
     """The held-out prompts samples are generated from at each evaluation (eval.samples, eval.prompts)."""
     ev = cfg.eval
     return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "finetune"
 ENTRY_SCRIPTS = {"finetune.train", "finetune.plan", "finetune.verify"}  # run as scripts or with -m, never imported
-SUB_PACKAGES = ("core", "recipe", "data", "model", "training", "tools", "testing")
+SUB_PACKAGES = ("core", "recipe", "data", "model", "evaluation", "training", "tools", "testing")
 
 
 def module_name(path: Path) -> str:
@@ -69,6 +69,29 @@ def test_no_import_circle_not_even_through_imports_inside_functions():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+# What each sub-package may import of finetune (its __init__ docstring says so in words): the floors, bottom up
+LAYERS = {
+    "core": set(),
+    "recipe": {"env"},
+    "testing": {"core"},
+    "data": {"core", "env", "recipe"},
+    "model": {"env", "recipe"},
+    "evaluation": {"core", "data", "env", "recipe"},
+    "training": {"core", "evaluation", "env", "model", "recipe"},
+}
+
+
+def test_each_sub_package_imports_only_the_floors_below_it():
+    climbs = [
+        f"{name} imports {other}"
+        for name, path in modules().items()
+        if name.count(".") >= 2 and (package := name.split(".")[1]) in LAYERS
+        for other in imported(path, top_level_only=False)
+        if other.count(".") >= 1 and (target := other.split(".")[1]) != package and target not in LAYERS[package]
+    ]
+    assert climbs == []
 
 
 def test_the_drop_in_imports_nothing_of_the_recipe_runner():

@@ -6,9 +6,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.data.formats import FORMAT_COLUMNS, as_read, form, rows_as_read
-from finetune.data.prompts import sample_prompts
 from finetune.data.streaming import stream_sft_dataset
 from finetune.data.text import load_sft_dataset
+from finetune.evaluation.prompts import sample_prompts
 from finetune.recipe import DataConfig, RecipeError, load_config
 from finetune.recipe.data_schema import ROW_FIELDS
 from tests.data_files import smollm2_folder, write_jsonl

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.data.heldout import QUESTION_MODULE, eval_groups, pad_for_ranks, split_records
 from finetune.data.report import DataReport
 from finetune.data.sources import read_records
+from finetune.data.training_set import QUESTION_MODULE, split_records
+from finetune.evaluation.sets import eval_groups, pad_for_ranks
 from finetune.recipe import Batching, DataConfig, load_config
 from finetune.testing.reference import reference_gradient
 from finetune.tools import train
@@ -338,7 +339,7 @@ def test_streamed_training_evaluates_on_a_separate_eval_source(tmp_path):
 @pytest.mark.e2e
 def test_a_vlm_generates_samples_from_held_out_images(tiny_vlm_folder, tmp_path):
     from finetune.assemble import build
-    from finetune.training.samples import GenerateSamples
+    from finetune.evaluation.samples import GenerateSamples
 
     cfg = load_config(
         [

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.recipe import RecipeError
-from finetune.training import evaluation, staging
+from finetune.training import best_model, staging
 from finetune.training.checkpoints import STAGING
 
 
@@ -47,9 +47,9 @@ def write_weights(text):
 
 
 def test_the_best_model_lands_whole_and_replaces_the_older_one(tmp_path, accelerate_state):
-    evaluation.save_best(best_trainer(tmp_path, write_weights("first"), step=2, metric=0.7))
+    best_model.save_best(best_trainer(tmp_path, write_weights("first"), step=2, metric=0.7))
     (tmp_path / "best" / "stale.txt").write_text("of the first best")
-    evaluation.save_best(best_trainer(tmp_path, write_weights("second"), step=5, metric=0.4))
+    best_model.save_best(best_trainer(tmp_path, write_weights("second"), step=5, metric=0.4))
     best = tmp_path / "best"
     assert sorted(p.name for p in best.iterdir()) == ["best.json", "model.safetensors"]
     assert (best / "model.safetensors").read_text() == "second"
@@ -63,7 +63,7 @@ def test_a_full_disk_while_the_best_model_is_written_is_one_line_and_leaves_noth
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with pytest.raises(RecipeError) as raised:
-        evaluation.save_best(best_trainer(tmp_path, full_disk))
+        best_model.save_best(best_trainer(tmp_path, full_disk))
     assert str(raised.value) == (
         f"train.output_dir={tmp_path}: writing the best model failed (No space left on device); the disk is full; "
         "free space there or choose another train.output_dir, then resume (nothing half-written was left there)"

@@ -13,9 +13,9 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-from finetune.data.heldout import load_training_set
 from finetune.data.report import DataReport
 from finetune.data.row_kinds import RowKind
+from finetune.data.training_set import load_training_set
 from finetune.recipe import DataConfig, RecipeError, mixture_names
 
 

@@ -246,7 +246,7 @@ def load_sft_dataset(
     data: DataConfig, tokenizer, records: list[Record] | None = None
 ) -> tuple[datasets.Dataset, DataReport]:
     """(datasets.Dataset with input_ids and labels, DataReport), from data.source or from `records` already read
-    (finetune/data/heldout.py splits them into training and held-out rows)."""
+    (finetune/data/training_set.py splits them into training and held-out rows)."""
     import datasets
 
     report = DataReport(source=data.source)

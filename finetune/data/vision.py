@@ -144,7 +144,7 @@ def vision_records(data: DataConfig, report: DataReport) -> list[Record]:
 
 def load_vision_dataset(data: DataConfig, processor, records: list[Record] | None = None):
     """(datasets.Dataset with input_ids, labels, images, row; DataReport), from data.source or from `records` already
-    read (finetune/data/heldout.py splits them into training and held-out rows)."""
+    read (finetune/data/training_set.py splits them into training and held-out rows)."""
     report = DataReport(source=data.source, format="messages+images")
     if records is None:
         records = vision_records(data, report)

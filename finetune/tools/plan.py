@@ -16,7 +16,7 @@ freeze, checkpointing as recipe'd) on the worst case: copies of the dataset's lo
   high-water mark also counts what the C allocator keeps), and a least-squares line in tokens predicts the rest.
 
 With an eval set, one eval forward (no gradients) on the worst-case eval micro-batch is measured too, and the KV cache
-of generating the samples added (finetune/training/samples.py): the run's peak is the larger of training's and that.
+of generating the samples added (finetune/evaluation/samples.py): the run's peak is the larger of training's and that.
 
 The limit is (1 − plan.headroom) × (plan.memory_gib, or the GPU's memory, or this process's RSS + the RAM available),
 shared by the ranks of one machine on CPU. Under several ranks the trials run without DDP, which then adds one copy

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import has_length
 
-from finetune.training import evaluation
+from finetune.evaluation import metrics
 
 STEP_FIELDS = [  # (log key, label, format) of the one console line per logged optimizer step
     ("loss", "loss", "{:.4f}"),
@@ -76,7 +76,7 @@ class StepProgress(ProgressCallback):
             if self.training_bar is not None and logs.get("real_tokens_per_s") is not None:
                 self.training_bar.set_postfix_str(f"{logs['real_tokens_per_s']:.0f} tok/s")
         elif "eval_loss" in logs:
-            self.write(evaluation.eval_line(logs, state.global_step, state.max_steps))
+            self.write(metrics.eval_line(logs, state.global_step, state.max_steps))
 
     def write(self, line: str) -> None:
         """A whole line above the bar (tqdm clears and redraws it), or a plain line without one."""

@@ -2,8 +2,8 @@
 
 The recipe's optimizer and schedule (built at the Trainer's create_optimizer/create_scheduler), checkpoints that are
 complete or absent and resume bitwise (checkpoints.py), non-finite values (train.on_nonfinite) and stop requests
-(SIGTERM/SIGINT, lifecycle.py), agreed on by all ranks once per optimizer step; evaluation on the recipe's eval set
-(evaluation.py).
+(SIGTERM/SIGINT, lifecycle.py), agreed on by all ranks once per optimizer step; evaluation on the recipe's eval sets
+(finetune/evaluation/), the best model (best_model.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from transformers import PrinterCallback
 from transformers.utils import logging
 
 from finetune.core.trainer import TokenNormTrainer
+from finetune.evaluation import metrics as eval_metrics
+from finetune.evaluation.named_sets import evaluate_sets
 from finetune.recipe import RecipeError
-from finetune.training import checkpoints, distributed, evaluation, lifecycle, reporting, resume_checks
-from finetune.training.eval_sets import evaluate_sets
+from finetune.training import best_model, checkpoints, distributed, lifecycle, reporting, resume_checks
 
 logger = logging.get_logger(__name__)
 
@@ -62,7 +63,7 @@ class RecipeTrainer(TokenNormTrainer):
     the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
     counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
     Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
-    run, perplexity and eval tokens/s per evaluation, the best model): finetune/training/evaluation.py.
+    run, perplexity and eval tokens/s per evaluation, the best model): finetune/evaluation/metrics.py.
     `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
     `run_files`: what writes the run's files into every checkpoint-N and the final save (`files_of_run`: timings.jsonl,
     recipe.yaml). `reports`: the run's reporting callbacks (among `callbacks`); `eval_callbacks`: the evaluation's,
@@ -79,11 +80,11 @@ class RecipeTrainer(TokenNormTrainer):
         on_nonfinite: str = "skip",
         stop_request=None,
         data_order_change: str = "error",
-        eval_setup: evaluation.EvalSetup | None = None,
+        eval_setup: eval_metrics.EvalSetup | None = None,
         merge_lora: bool = False,
         run_files: Sequence = (),
         reports: reporting.RunReports | None = None,
-        eval_callbacks: evaluation.EvalCallbacks | None = None,
+        eval_callbacks: eval_metrics.EvalCallbacks | None = None,
         **kwargs,
     ):
         self.optim_config, self.schedule_config, self.peak_lr = optim_config, schedule_config, peak_lr
@@ -267,13 +268,13 @@ class RecipeTrainer(TokenNormTrainer):
         evaluated = self.eval_setup is not None and "eval_loss" in logs
         if evaluated:
             for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:  # each set's, and all
-                logs[key.removesuffix("_loss") + "_perplexity"] = evaluation.perplexity(logs[key])
+                logs[key.removesuffix("_loss") + "_perplexity"] = eval_metrics.perplexity(logs[key])
             if logs.get("eval_runtime"):
                 logs["eval_tokens_per_s"] = self.eval_setup.tokens / logs["eval_runtime"]
                 self.eval_speeds.append(logs["eval_tokens_per_s"])
         super().log(logs, start_time)
         if evaluated:  # callbacks saw them; the saved history keeps what a resumed run reproduces
-            for key in evaluation.EVAL_TIMING_KEYS:
+            for key in eval_metrics.EVAL_TIMING_KEYS:
                 self.state.log_history[-1].pop(key, None)
 
     # ---- evaluation on the recipe's eval set ----
@@ -311,7 +312,7 @@ class RecipeTrainer(TokenNormTrainer):
             self.state.best_global_step = self.state.global_step  # the Trainer records it only when saving by steps
             if self.eval_setup.keep_best:
                 with self.meter.paused():  # training tokens/s skip the save
-                    evaluation.save_best(self)
+                    best_model.save_best(self)
         return new_best
 
     def create_optimizer(self, model=None):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from finetune.evaluation import metrics
 from finetune.recipe import Config
-from finetune.training import evaluation
 from finetune.training.reporting import wandb_mode, wandb_run_dir
 
 
@@ -57,7 +57,7 @@ def summary(cfg: Config, trainer, start_step: int = 0) -> dict:
         "final_loss": steps[-1]["loss"] if steps else None,
         "train_loss": end.get("train_loss"),
         "peak_mem_mb": trainer.meter.peak_mem_mb or None,  # timing figures stay out of the log history
-        **evaluation.summary(trainer),
+        **metrics.summary(trainer),
     }
 
 
@@ -77,7 +77,7 @@ def print_summary(cfg: Config, trainer, figures: dict) -> None:
             else "n/a",
         ),
         ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
-        *evaluation.summary_rows(figures),
+        *metrics.summary_rows(figures),
         ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
     ]
     run, mode = wandb_run_dir(cfg), wandb_mode(cfg)

@@ -1,15 +1,14 @@
-"""A recipe's eval set: rows held out of data.source (`eval.fraction`) or read from `eval.source`; its micro-batches.
+"""A recipe's eval sets: rows held out of data.source (`eval.fraction`, finetune/data/training_set.py) or read from
+`eval.source` / `eval.sets`; their micro-batches.
 
-Held out: the raw rows are grouped (stdlib_docs: by the module a question names, so no module has docstrings on both
-sides; any other source: identical rows together), the groups shuffled with train.seed and taken while they fit
-eval.fraction of the rows; the training set is built from the other rows only. Either way an eval row that equals a
-training row token for token (and image for image) is an error naming the key. The held-out rows come in a seeded
-random order, so eval.limit takes a random subset of them; with eval.source it keeps the first rows, as data.limit.
-Eval rows are read, tokenized and labelled as training rows are (data.format, data.max_length, data.loss_on, …).
+An eval row that equals a training row token for token (and image for image) is an error naming the key. Held-out
+rows come in a seeded random order, so eval.limit takes a random subset of them; with eval.source it keeps the first
+rows, as data.limit. Eval rows are read, tokenized and labelled as training rows are (data.format, data.max_length,
+data.loss_on, …).
 
-Eval micro-batches are formed here once, as `eval.batching` says (the modes of data.batching), and handed to the
-Trainer as a dataset whose items are whole micro-batches (eval batch size 1). Their count is padded to a multiple of
-the ranks with a row without targets, so no rank repeats a real row and the eval loss is the exact token mean.
+Eval micro-batches are formed here once, as the plan's eval batching says (the modes of data.batching), and handed to
+the Trainer as a dataset whose items are whole micro-batches (eval batch size 1). Their count is padded to a multiple
+of the ranks with a row without targets, so no rank repeats a real row and the eval loss is the exact token mean.
 """
 
 from __future__ import annotations
@@ -18,11 +17,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from finetune.core.labels import IGNORE_INDEX
 from finetune.data.batching import MicroBatchCollator, MicroBatches, budget_groups, row_collator
@@ -30,11 +26,9 @@ from finetune.data.formats import form, rows_as_read
 from finetune.data.report import DataReport
 from finetune.data.row_kinds import RowKind
 from finetune.data.sources import Record
-from finetune.data.streaming import stream_sft_dataset
+from finetune.data.training_set import HeldOut, plain_json
 from finetune.env import world_size
 from finetune.recipe import Batching, DataConfig, EvalConfig, RecipeError, mixture_names
-
-QUESTION_MODULE = re.compile(r"`([A-Za-z_]\w*)\.")  # stdlib_docs: "What does `json.dumps` do?" → json
 
 
 @dataclass
@@ -47,72 +41,6 @@ class EvalSet:
     tokens: int  # real tokens of the eval rows (eval tokens/s)
     target_tokens: int
     summary: str  # the start-up line
-
-
-# ---- held out of data.source ----
-
-
-def _plain(value: Any) -> Any:
-    """JSON for what json cannot write: bytes and images (PIL) by a digest of their content."""
-    if isinstance(value, (bytes, bytearray)):
-        return hashlib.sha256(value).hexdigest()
-    if hasattr(value, "tobytes"):
-        return [list(getattr(value, "size", ())), hashlib.sha256(value.tobytes()).hexdigest()]
-    return repr(value)
-
-
-def group_key(record: Any, source: str) -> str:
-    """Rows with the same key are held out together: a stdlib module's rows, else identical rows."""
-    if source == "stdlib_docs":
-        with contextlib.suppress(KeyError, IndexError, TypeError):
-            match = QUESTION_MODULE.search(record["messages"][0]["content"])
-            if match:
-                return f"module {match.group(1)}"
-    text = json.dumps(record, sort_keys=True, default=_plain, ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def split_records(
-    records: list[Record], fraction: float, seed: int, source: str
-) -> tuple[list[Record], list[Record], str]:
-    """(training rows in source order, held-out rows in a seeded order, what was held out)."""
-    groups: dict[str, list[int]] = {}
-    for index, (_, record) in enumerate(records):
-        groups.setdefault(group_key(record, source), []).append(index)
-    target = round(fraction * len(records))
-    if target < 1:
-        raise RecipeError(
-            f"eval.fraction={fraction:g} of the {len(records)} rows of data.source={source} holds out "
-            "no row; raise eval.fraction (or data.limit)"
-        )
-    rng = random.Random(f"eval.fraction {seed}")
-    order = sorted(groups)
-    rng.shuffle(order)
-    held: list[str] = []
-    count = 0
-    for key in order:
-        if count + len(groups[key]) <= target:
-            held.append(key)
-            count += len(groups[key])
-    if not held:  # every group is larger than the share: the smallest one
-        held = [min(order, key=lambda k: len(groups[k]))]
-    if len(held) == len(groups):
-        raise RecipeError(
-            f"eval.fraction={fraction:g} holds out every row of data.source={source} ({len(groups)} "
-            "group(s) of rows that are held out together); lower eval.fraction or raise data.limit"
-        )
-    chosen = {i for key in held for i in groups[key]}
-    held_out = [records[i] for i in sorted(chosen)]
-    rng.shuffle(held_out)
-    kind = "module" if source == "stdlib_docs" else "distinct row"
-    how = (
-        f"{len(chosen):,} row{'s' if len(chosen) != 1 else ''} ({len(held)} {kind}{'s' if len(held) != 1 else ''}) "
-        f"held out of {source}"
-    )
-    return [r for i, r in enumerate(records) if i not in chosen], held_out, how
-
-
-# ---- reading and checking the eval rows ----
 
 
 def eval_reading(ev: EvalConfig, data: DataConfig, source: str, split: str) -> DataConfig:
@@ -132,7 +60,7 @@ def named(key: str, source: str):
 
 
 def row_digest(ids, images=None) -> str:
-    text = json.dumps([list(ids), images], default=_plain, sort_keys=True)
+    text = json.dumps([list(ids), images], default=plain_json, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -146,9 +74,6 @@ def check_no_overlap(train, rows: list[dict], key: str) -> None:
             f"{key}: {both} of the {len(rows)} eval rows are also training rows (the same tokens); an "
             "eval row must never be trained on: remove them from one of the sets"
         )
-
-
-# ---- micro-batches ----
 
 
 def eval_groups(lengths: list[int], batching: Batching, seed: int) -> list[list[int]]:
@@ -169,31 +94,6 @@ def pad_for_ranks(rows: list[dict], groups: list[list[int]], ranks: int) -> None
         shortest = min(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
         rows.append({**rows[shortest], "labels": [IGNORE_INDEX] * len(rows[shortest]["labels"])})
         groups += [[len(rows) - 1] for _ in range(missing)]
-
-
-# ---- the whole ----
-
-
-@dataclass
-class HeldOut:
-    records: list[Record]  # in a seeded order
-    how: str  # "N rows (M modules) held out of SOURCE"
-
-
-def load_training_set(data: DataConfig, fraction: float, seed: int, tokenizer, rows: RowKind):
-    """(the training dataset, its DataReport, the rows held out of it or None): data.source read, tokenized and
-    labelled, less the share `fraction` (eval.fraction) held out. `tokenizer` is the processor of a VLM recipe."""
-    if data.streaming:
-        dataset, report = stream_sft_dataset(data, tokenizer, seed, endless=True)
-        return dataset, report, None
-    if not fraction:
-        return (*rows.load(data, tokenizer), None)
-    read = DataReport(source=data.source)
-    records = rows.read(data, read)
-    if not records:
-        raise RecipeError(f"data.source={data.source}: no rows to read")
-    train_records, held, how = split_records(records, fraction, seed, data.source)
-    return (*rows.load(data, tokenizer, records=train_records), HeldOut(held, how))
 
 
 @dataclass

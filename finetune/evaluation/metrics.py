@@ -12,35 +12,27 @@ trainer_state.json's log history, which a resumed run reproduces) and `eval_toke
 Best model (`eval.best_checkpoint`) and early stopping (`eval.early_stopping_patience`) use the Trainer's own
 `metric_for_best_model="eval_loss"`: the lowest eval loss after a training step and its step are TrainerState's
 `best_metric` and `best_global_step` (saved in every checkpoint's trainer_state.json, so a resumed run continues from
-them); the model of a new best is written to `train.output_dir/best` (staged, then renamed into place: whole or
-absent), with best.json naming its step. Early stopping is transformers' EarlyStoppingCallback, whose counter is
-restored from the checkpoint on resume (`restore_callback_states_from_checkpoint`).
+them); the model of a new best is written to `train.output_dir/best` by finetune/training/best_model.py. Early
+stopping is transformers' EarlyStoppingCallback, whose counter is restored from the checkpoint on resume
+(`restore_callback_states_from_checkpoint`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
 from transformers import EarlyStoppingCallback, TrainerCallback
 
-from finetune.model import lora_merge
-from finetune.model.files import commit
 from finetune.recipe import Config
-from finetune.training import distributed
-from finetune.training.checkpoints import staging_root
-from finetune.training.staging import removed_when_empty, save_staged
 
 if TYPE_CHECKING:
-    from finetune.training.samples import GenerateSamples
+    from finetune.evaluation.samples import GenerateSamples
 
 BEST = "best"  # train.output_dir/best: the model of the lowest eval loss (eval.best_checkpoint)
-BEST_FILE = "best.json"
 # measured, not reproducible: to the console and W&B, not to trainer_state.json (as meter.TIMING_KEYS for steps)
 EVAL_TIMING_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_tokens_per_s")
 EVAL_FIELDS = [  # (log key, label, format) of the console line per evaluation
@@ -61,27 +53,6 @@ class EvalSetup:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
-
-
-def save_best(trainer) -> None:
-    """The model (and tokenizer or processor) into output_dir/best: staged, then renamed into place."""
-    run_dir = trainer.args.output_dir
-    final = os.path.join(run_dir, BEST)
-
-    def write(staged: str) -> None:
-        with distributed.full_state_dict():  # FSDP's sharded checkpoints would write no weights here
-            trainer.save_model(staged)  # every rank: FSDP/ZeRO-3 gather the weights
-            if trainer.merge_lora:  # model.lora.merge: the merged model, the adapter in adapter/
-                lora_merge.write_merged(trainer, staged)
-
-    def finish(staged: str) -> None:
-        with open(os.path.join(staged, BEST_FILE), "w") as f:
-            json.dump({"step": trainer.state.global_step, "eval_loss": trainer.state.best_metric}, f)
-        commit(staged, final)
-        tqdm.write(f"best eval loss so far ({trainer.state.best_metric:.4f}): model saved to {final}")
-
-    with removed_when_empty(staging_root(run_dir), trainer.args.should_save) as root:
-        save_staged(trainer, os.path.join(root, BEST), "the best model", write, finish)
 
 
 class EarlyStopping(EarlyStoppingCallback):
@@ -111,8 +82,8 @@ class EvalCallbacks:
 
 
 def callbacks(cfg: Config, prompts: list) -> EvalCallbacks:
-    """`prompts`: finetune.data.prompts.SamplePrompt, generated from at each evaluation."""
-    from finetune.training.samples import GenerateSamples
+    """`prompts`: finetune.evaluation.prompts.SamplePrompt, generated from at each evaluation."""
+    from finetune.evaluation.samples import GenerateSamples
 
     at_end = EvaluateAtEnd()
     samples = GenerateSamples(prompts, cfg.eval.max_new_tokens) if prompts else None

@@ -1,4 +1,4 @@
-"""Generated samples at each evaluation: greedy generation from a few fixed prompts (finetune/data/prompts.py),
+"""Generated samples at each evaluation: greedy generation from a few fixed prompts (finetune/evaluation/prompts.py),
 printed on rank 0 and logged to W&B as one table of every evaluation so far (step, prompt, output, reference).
 
 The model generates in eval mode without gradients, with its KV cache on, and goes back to the mode and cache setting
