@@ -6,7 +6,8 @@ import copy
 
 import torch
 
-from finetune import TokenNormTrainer, token_mean
+from finetune import TokenNormTrainer
+from finetune.core import token_mean
 from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 
 
