@@ -67,5 +67,5 @@ def arm(kill_at: str) -> tuple:
 if __name__ == "__main__":
     callbacks = arm(sys.argv[1])
     train = finetune.tools.train.train
-    finetune.tools.train.train = lambda cfg, argv=None: train(cfg, callbacks=callbacks, argv=argv)
+    finetune.tools.train.train = lambda cfg, argv=None, plan=None: train(cfg, callbacks=callbacks, argv=argv, plan=plan)
     sys.exit(finetune.tools.train.main(sys.argv[2:]))

@@ -89,7 +89,7 @@ def main(out: str, *overrides: str) -> None:
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()
-    dist.destroy_process_group()
+    # no destroy_process_group: freeing the group right after a gloo collective can deadlock (finetune.env.exit_process)
 
 
 if __name__ == "__main__":
