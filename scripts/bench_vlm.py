@@ -55,14 +55,11 @@ class Throughput:
             return
         if self.start is None:
             self.start = time.perf_counter()
-        ids, positions, mask = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
-        if positions is not None and mask is None:  # packed: one row holds several sequences
-            text = positions[0] if positions.dim() == 3 else positions  # [4, B, L] multimodal rope: the text row
-            self.rows += int((text == 0).sum())
-            self.tokens += ids.numel()
-        else:
-            self.rows += ids.shape[0]
-            self.tokens += int(mask.sum()) if mask is not None else ids.numel()
+        from finetune.core.meter import batch_counts  # the trainer's own count: packed rows, [4, B, L] positions
+
+        _, real, _, sequences = batch_counts(kwargs)
+        self.rows += sequences
+        self.tokens += real
 
 
 def reset_peak(cuda: bool) -> None:

@@ -21,17 +21,7 @@ from finetune.recipe import Batching
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import SnapshotCallback, sgd_args
 from tests.mrope_models import ROWS, alone, image_processor, tiny
-
-
-class Recording:
-    def __init__(self, inner):
-        self.inner, self.batches, self.packed = inner, [], []
-
-    def __call__(self, rows):
-        self.batches.append([dict(r) for r in rows])
-        batch = self.inner(rows)
-        self.packed.append(batch)
-        return batch
+from tests.vlm_models import Recording
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])

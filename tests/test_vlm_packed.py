@@ -24,7 +24,7 @@ from finetune.recipe import Batching, DataConfig, RecipeError
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import SnapshotCallback, sgd_args
 from finetune.tools import verify
-from tests.vlm_models import prepared, tiny_llava
+from tests.vlm_models import Recording, prepared, tiny_llava
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +40,6 @@ class CacheOnTrainer(TokenNormTrainer):
 
     def _forward_inputs(self, model, inputs):
         return {**super()._forward_inputs(model, inputs), "use_cache": True}
-
-
-class Recording:
-    def __init__(self, inner):
-        self.inner, self.batches, self.packed = inner, [], []
-
-    def __call__(self, rows):
-        self.batches.append([dict(r) for r in rows])
-        batch = self.inner(rows)
-        self.packed.append(batch)
-        return batch
 
 
 TWO_IMAGES = {

@@ -64,3 +64,16 @@ def save_tiny_vlm(processor, folder: Path) -> Path:
     tiny_llava(processor).save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
+
+
+class Recording:
+    """Wraps a collator: the rows of every micro-batch and the batch it made, in the order they are consumed."""
+
+    def __init__(self, inner):
+        self.inner, self.batches, self.packed = inner, [], []
+
+    def __call__(self, rows):
+        self.batches.append([dict(r) for r in rows])
+        batch = self.inner(rows)
+        self.packed.append(batch)
+        return batch
