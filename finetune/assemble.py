@@ -198,7 +198,8 @@ def load_data(
         )
         for eval_set in run_data.eval_sets.values():
             reporting.main_print(eval_set.summary)
-        run_data.prompts = eval_prompts(ev, next(iter(run_data.eval_sets.values())), tokenizer, rows.images)
+        first = next(iter(run_data.eval_sets.values()))  # samples are generated from its held-out prompts
+        run_data.prompts = sample_prompts(first.records, first.format, ev.samples, ev.prompts, tokenizer, rows.images)
     return run_data
 
 
@@ -212,11 +213,6 @@ def load_model(model_cfg: ModelConfig, seed: int, folder: str, tokenizer, rows: 
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
     return model
-
-
-def eval_prompts(ev: EvalConfig, eval_set: sets.EvalSet, tokenizer, vision: bool) -> list:
-    """The held-out prompts samples are generated from at each evaluation (eval.samples, eval.prompts)."""
-    return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)
 
 
 def recipe_peak_flops(log: LogConfig) -> float | None:
