@@ -30,9 +30,21 @@ from finetune.evaluation.prompts import sample_prompts
 from finetune.model import loading, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
-from finetune.recipe import Config, RecipeError, RunPlan, resolve_plan
+from finetune.recipe import (
+    Config,
+    DataConfig,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RecipeError,
+    RunPlan,
+    ScheduleConfig,
+    TrainConfig,
+    resolve_plan,
+    to_tree,
+)
 from finetune.recipe.checks import precision_on_device, precision_warning
-from finetune.recipe.set_checks import ignored_eval_keys
 from finetune.training import distributed, reporting, schedules
 from finetune.training.arguments import training_arguments
 from finetune.training.recipe_trainer import RecipeTrainer
@@ -54,16 +66,20 @@ def build(
     checkpoint and the final save: recipe.yaml), `stop_request` (finetune.training.lifecycle.StopRequest) and
     `peak_flops` for MFU (default: the recipe's log.peak_tflops, else the trainer's table of GPUs). `plan`: the
     recipe's run plan (default: resolved for this launch's ranks). `evaluate=False`: no evaluation (the held-out
-    rows stay out of training all the same)."""
+    rows stay out of training all the same). The one place that opens the recipe: each step below is given the
+    sections it reads."""
     plan = plan if plan is not None else resolve_plan(cfg, world_size())
-    check_machine(cfg, plan)
-    reporting.configure_wandb(cfg)
-    folder, rows, tokenizer = load_tokenizer(cfg, plan)
-    data = load_data(cfg, plan, tokenizer, rows, evaluate)  # before the model: a bad row fails in seconds
-    total_steps = optimizer_steps(cfg, plan, data.batches)
-    args = training_arguments(cfg, plan, data.batches, evaluating=bool(data.eval_sets))  # before the model
-    model = load_model(cfg, folder, tokenizer, rows, packs=plan.packs if data.eval_sets else plan.training.packs)
-    reports = reporting.reports(cfg)
+    check_machine(cfg.train, cfg.optim, cfg.model, cfg.data, plan)
+    reporting.configure_wandb(cfg.log, cfg.train)
+    folder, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, plan)
+    data = load_data(cfg.data, cfg.eval, cfg.train.seed, plan, tokenizer, rows, evaluate)  # a bad row fails in seconds
+    total_steps = optimizer_steps(cfg.train, cfg.data, cfg.optim, cfg.schedule, plan, data.batches)
+    args = training_arguments(  # before the model
+        cfg.train, cfg.optim, cfg.log, cfg.data, cfg.eval, plan, data.batches, evaluating=bool(data.eval_sets)
+    )
+    packs = plan.packs if data.eval_sets else plan.training.packs
+    model = load_model(cfg.model, cfg.train.seed, folder, tokenizer, rows, packs)
+    reports = reporting.reports(cfg.train, cfg.log, to_tree(cfg))
     return trainer_cls(
         model=model,
         args=args,
@@ -74,30 +90,39 @@ def build(
         run_files=(reports.timings, *run_files),
         reports=reports,
         stop_request=stop_request,
-        peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg),
-        **recipe_options(cfg, plan),
-        **data.eval_parts(cfg),
+        peak_flops=peak_flops if peak_flops is not None else recipe_peak_flops(cfg.log),
+        **recipe_options(cfg.train, cfg.optim, cfg.schedule, cfg.model, plan),
+        **data.eval_parts(cfg.eval),
     )
 
 
-def recipe_options(cfg: Config, plan: RunPlan) -> dict:
+def recipe_options(
+    train: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig, model: ModelConfig, plan: RunPlan
+) -> dict:
     """What the recipe asks of the trainer beyond TrainingArguments: its optimizer and schedule (at the plan's peak
     lr), what a non-finite step does, a resume's data order, a merged LoRA save."""
     return dict(
-        optim_config=cfg.optim,
-        schedule_config=cfg.schedule,
+        optim_config=optim,
+        schedule_config=schedule,
         peak_lr=plan.peak_lr,
-        on_nonfinite=cfg.train.on_nonfinite,
-        data_order_change=cfg.train.resume_data_order_change,
-        merge_lora=cfg.model.lora.merge,
+        on_nonfinite=train.on_nonfinite,
+        data_order_change=train.resume_data_order_change,
+        merge_lora=model.lora.merge,
     )
 
 
-def optimizer_steps(cfg: Config, plan: RunPlan, batches: batching.Batches) -> int:
+def optimizer_steps(
+    train: TrainConfig,
+    data: DataConfig,
+    optim: OptimConfig,
+    schedule: ScheduleConfig,
+    plan: RunPlan,
+    batches: batching.Batches,
+) -> int:
     """The run's optimizer steps, said with the batch and lr on the start-up line (and a warmup shortened to fit)."""
-    total_steps = batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
-    reporting.main_print(schedules.startup_line(cfg, plan, total_steps))
-    if note := schedules.check_schedule(total_steps, cfg.schedule):  # a warmup as long as the run is shortened
+    total_steps = batching.count_optimizer_steps(train, batches, plan.ranks, plan.accumulation)
+    reporting.main_print(schedules.startup_line(train, data, optim, plan, total_steps))
+    if note := schedules.check_schedule(total_steps, schedule):  # a warmup as long as the run is shortened
         reporting.main_print(note)
     return total_steps
 
@@ -107,26 +132,26 @@ def run_callbacks(total_steps: int, reports: reporting.RunReports) -> list[Train
     return [reporting.StepCountCheck(total_steps), *distributed.callbacks(), *reports.callbacks]
 
 
-def check_machine(cfg: Config, plan: RunPlan) -> None:
+def check_machine(train: TrainConfig, optim: OptimConfig, model: ModelConfig, data: DataConfig, plan: RunPlan) -> None:
     """accelerate launch's settings and this device's precision vs the recipe (a warning for bf16 weights)."""
-    distributed.check_launch(cfg, plan)
+    distributed.check_launch(train, optim, data, plan)
     gpu = torch.cuda.get_device_name() if reporting.has_accelerator() else None
-    problem = precision_on_device(cfg, gpu, gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False))
-    if problem:
+    bf16 = gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False)
+    if problem := precision_on_device(train, model, gpu, bf16):
         raise RecipeError(problem)
-    if warning := precision_warning(cfg):
+    if warning := precision_warning(model):
         reporting.main_print(f"warning: {warning}")
 
 
-def load_tokenizer(cfg: Config, plan: RunPlan):
+def load_tokenizer(model: ModelConfig, data: DataConfig, plan: RunPlan):
     """(the model's folder, the kind of rows it reads, its tokenizer or processor): a GGUF is converted once into a
     plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
-    folder = loading.model_folder(cfg.model)
-    vision = vlm.is_vlm(cfg, plan, folder)
-    rows = image_text_rows(ImageInputs(**vlm.forward_image_inputs(cfg.model, folder))) if vision else TEXT_ROWS
-    check_lora(cfg.model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
-    tokenizer = vlm.load_processor(cfg.model, folder) if vision else loading.load_tokenizer(cfg.model, folder)
-    use_chat_template(cfg.data, tokenizer)  # data.chat_template, checked before any row is read
+    folder = loading.model_folder(model)
+    vision = vlm.is_vlm(model, data, plan, folder)
+    rows = image_text_rows(ImageInputs(**vlm.forward_image_inputs(model, folder))) if vision else TEXT_ROWS
+    check_lora(model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
+    tokenizer = vlm.load_processor(model, folder) if vision else loading.load_tokenizer(model, folder)
+    use_chat_template(data, tokenizer)  # data.chat_template, checked before any row is read
     return folder, rows, tokenizer
 
 
@@ -139,7 +164,7 @@ class RunData:
     eval_sets: dict = field(default_factory=dict)
     prompts: list = field(default_factory=list)
 
-    def eval_parts(self, cfg: Config) -> dict:
+    def eval_parts(self, ev: EvalConfig) -> dict:
         """The trainer's eval arguments: one dataset, or {name: dataset} for named sets (evaluated in one pass, one
         log line: finetune/training/recipe_trainer.py), and the evaluation's callbacks (samples from the prompts);
         none without evaluation."""
@@ -147,51 +172,49 @@ class RunData:
             return {}
         sets = self.eval_sets
         first = next(iter(sets.values()))
-        setup = metrics.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), cfg.eval.best_checkpoint)
+        setup = metrics.EvalSetup(first.collator, sum(s.tokens for s in sets.values()), ev.best_checkpoint)
         datasets = first.dataset if list(sets) == [""] else {name: s.dataset for name, s in sets.items()}
-        callbacks = metrics.callbacks(cfg, self.prompts)
+        callbacks = metrics.callbacks(ev, self.prompts)
         return {"eval_dataset": datasets, "eval_setup": setup, "eval_callbacks": callbacks}
 
 
-def load_data(cfg: Config, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bool) -> RunData:
-    """The training micro-batches and, where the recipe evaluates and `evaluate`, its eval sets and sample prompts."""
-    data, seed = cfg.data, cfg.train.seed
+def load_data(
+    data: DataConfig, ev: EvalConfig, seed: int, plan: RunPlan, tokenizer, rows: RowKind, evaluate: bool
+) -> RunData:
+    """The training micro-batches and, where the recipe evaluates and `evaluate`, its eval sets and sample prompts
+    (`seed`: train.seed)."""
     load_rows = mixture.load_mixture if data.mixture else training_set.load_training_set
-    dataset, report, held = load_rows(data, cfg.eval.fraction, seed, tokenizer, rows)
+    dataset, report, held = load_rows(data, ev.fraction, seed, tokenizer, rows)
     reporting.main_print(f"data: {report.summary()}")
-    if ignored := ignored_eval_keys(cfg):  # eval.fraction=0 alone turns evaluation off
-        reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {', '.join(ignored)} ignored")
+    if plan.ignored_eval_keys:  # eval.fraction=0 alone turns evaluation off
+        ignored = ", ".join(plan.ignored_eval_keys)
+        reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {ignored} ignored")
     batches = batching.prepare(plan.training, dataset, rows.text_tokenizer(tokenizer), seed)
     run_data = RunData(batches=dataclasses.replace(batches, collator=rows.collator(batches.collator, tokenizer)))
     if evaluate and plan.evaluation is not None:
         training = None if data.streaming else dataset
         run_data.eval_sets = sets.load_eval_sets(
-            cfg.eval, plan.evaluation, data, held, plan.eval_sets, training, seed, tokenizer, rows
+            ev, plan.evaluation, data, held, plan.eval_sets, training, seed, tokenizer, rows
         )
         for eval_set in run_data.eval_sets.values():
             reporting.main_print(eval_set.summary)
-        run_data.prompts = eval_prompts(cfg, next(iter(run_data.eval_sets.values())), tokenizer, rows.images)
+        first = next(iter(run_data.eval_sets.values()))  # samples are generated from its held-out prompts
+        run_data.prompts = sample_prompts(first.records, first.format, ev.samples, ev.prompts, tokenizer, rows.images)
     return run_data
 
 
-def load_model(cfg: Config, folder: str, tokenizer, rows: RowKind, packs: bool):
-    """The model, the same initial weights on every rank and in every run (from_config is seeded); packed rows get
-    per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying
-    why)."""
-    set_seed(cfg.train.seed)
-    model = vlm.load_vlm(cfg.model, folder, tokenizer) if rows.images else loading.load_model(cfg.model, folder)
+def load_model(model_cfg: ModelConfig, seed: int, folder: str, tokenizer, rows: RowKind, packs: bool):
+    """The model, the same initial weights on every rank and in every run (from_config is seeded with `seed`,
+    train.seed); packed rows get per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model:
+    it then keeps sdpa, saying why)."""
+    set_seed(seed)
+    model = vlm.load_vlm(model_cfg, folder, tokenizer) if rows.images else loading.load_model(model_cfg, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
     return model
 
 
-def eval_prompts(cfg: Config, eval_set: sets.EvalSet, tokenizer, vision: bool) -> list:
-    """The held-out prompts samples are generated from at each evaluation (eval.samples, eval.prompts)."""
-    ev = cfg.eval
-    return sample_prompts(eval_set.records, eval_set.format, ev.samples, ev.prompts, tokenizer, vision)
-
-
-def recipe_peak_flops(cfg: Config) -> float | None:
+def recipe_peak_flops(log: LogConfig) -> float | None:
     """log.peak_tflops in FLOP/s (None: the trainer's table of GPUs)."""
-    return cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else None
+    return log.peak_tflops * 1e12 if log.peak_tflops else None

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(startup_line(cfg, plan, total))
+    print(startup_line(cfg.train, cfg.data, cfg.optim, plan, total))
     recipe = os.path.basename(cfg.recipe) if cfg.recipe else "defaults"
     title = (
         f"{recipe}: schedule {cfg.schedule.name}, {total} optimizer steps, {ranks} rank{'s' if ranks != 1 else ''}"

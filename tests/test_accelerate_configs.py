@@ -23,7 +23,7 @@ ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
 def launch_check(cfg, env):
     """What finetune/tools/train.py does before torch loads: the plan for the launch's ranks, then the launch check."""
-    return check_launch(cfg, resolve_plan(cfg, world_size(env)), env)
+    return check_launch(cfg.train, cfg.optim, cfg.data, resolve_plan(cfg, world_size(env)), env)
 
 
 def launch_env(name: str, num_processes: int, *flags: str) -> dict[str, str]:
@@ -218,7 +218,7 @@ def test_sync_each_batch_reaches_the_accelerator():
 
     cfg = load_config([*DEBUG, "train.sync_each_batch=true"])
     args = TrainingArguments(
-        output_dir="unused", use_cpu=True, report_to=[], accelerator_config=accelerator_config(cfg)
+        output_dir="unused", use_cpu=True, report_to=[], accelerator_config=accelerator_config(cfg.train)
     )
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 

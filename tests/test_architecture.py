@@ -126,6 +126,57 @@ def test_the_tools_are_used_by_nothing_in_the_package_but_the_entry_scripts_and_
     assert users == []
 
 
+# Above the wings: the places that hold the whole recipe (Config). Everything else of finetune takes the sections it
+# reads (TrainConfig, ModelConfig, ...) and the run plan, so its signature says what it depends on.
+OPENS_THE_RECIPE = (
+    "finetune/assemble.py",
+    "finetune/train.py",
+    "finetune/__init__.py",
+    "finetune/tools/",
+    "finetune/recipe/",
+)
+WHOLE_RECIPE = re.compile(r"\bConfig\b")  # the class, bare, dotted (recipe.Config) or in a string annotation
+
+
+def whole_recipe_parameters(source: str) -> list[str]:
+    """`line: what` for each parameter (of a function, a lambda, or a dataclass field: a constructor's) annotated
+    with the whole recipe class."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(p for p in (a.vararg, a.kwarg) if p)]
+            name = getattr(node, "name", "lambda")
+            found += [f"{p.lineno}: {name}({p.arg}: {ast.unparse(p.annotation)})" for p in params if p.annotation]
+        elif isinstance(node, ast.ClassDef):
+            fields = [n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+            found += [f"{f.lineno}: {node.name}.{f.target.id}: {ast.unparse(f.annotation)}" for f in fields]
+    return [entry for entry in found if WHOLE_RECIPE.search(entry.split(": ", 2)[-1])]
+
+
+def test_below_assemble_functions_take_recipe_sections_not_the_whole_recipe():
+    below = [p for p in PACKAGE.rglob("*.py") if not str(p.relative_to(ROOT)).startswith(OPENS_THE_RECIPE)]
+    assert len(below) > 50  # the wings are found
+    found = [f"{path.relative_to(ROOT)}:{hit}" for path in below for hit in whole_recipe_parameters(path.read_text())]
+    assert found == [], "take the recipe sections read (TrainConfig, ModelConfig, ...) and the RunPlan, not Config"
+
+
+def test_the_whole_recipe_check_can_fail():
+    offences = """
+def a(cfg: Config, train: TrainConfig): ...
+def b(x, *, cfg: "recipe.Config | None" = None): ...
+class C:
+    def __init__(self, cfg: finetune.recipe.Config, model: ModelConfig): ...
+@dataclass
+class D:
+    recipe: Config
+    data: DataConfig
+def e(train: TrainConfig, plan: RunPlan, **kw: Config): ...
+"""
+    lines = sorted(int(hit.split(":")[0]) for hit in whole_recipe_parameters(offences))
+    assert lines == [2, 3, 5, 8, 10]
+
+
 def test_every_sub_package_says_what_it_owns_and_what_it_may_import():
     for name in SUB_PACKAGES:
         doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))

@@ -238,7 +238,8 @@ def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
 def test_precision_the_device_cannot_run(keys, gpu, bf16, expected):
     from finetune.recipe.checks import precision_on_device
 
-    assert precision_on_device(recipe(*keys), gpu, bf16) == expected
+    cfg = recipe(*keys)
+    assert precision_on_device(cfg.train, cfg.model, gpu, bf16) == expected
 
 
 def test_bf16_weights_without_a_float32_copy_are_a_warning_not_an_error(tmp_path, capsys):

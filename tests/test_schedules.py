@@ -159,7 +159,7 @@ def test_start_up_line_of_a_token_budget_recipe_reads_the_base_in_tokens():
     assert peak_lr(cfg) == pytest.approx(2e-3, rel=1e-15)
     plan = resolve_plan(cfg, 1)
     assert (plan.accumulation, plan.peak_lr) == (8, peak_lr(cfg))
-    assert startup_line(cfg, plan, 10) == (
+    assert startup_line(cfg.train, cfg.data, cfg.optim, plan, 10) == (
         "effective batch 4096 tokens = micro 512 tokens × accumulation 8 × 1 rank; "
         "lr 1e-3 → 2e-3 (linear rule, base 2048 tokens); 10 optimizer steps"
     )

@@ -175,7 +175,7 @@ def test_shapes_captions_with_a_text_model_is_a_recipe_error(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "text")
     cfg = load_config([f"model.name_or_path={tmp_path / 'text'}", "data.source=shapes_captions"])
     with pytest.raises(RecipeError, match="shapes_captions is an image set .* set model.vision_config"):
-        is_vlm(cfg, resolve_plan(cfg, 1), str(tmp_path / "text"))
+        is_vlm(cfg.model, cfg.data, resolve_plan(cfg, 1), str(tmp_path / "text"))
 
 
 # ---- exactness with pixel inputs ----

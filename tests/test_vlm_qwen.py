@@ -177,9 +177,9 @@ def test_the_recipes_packed_rows_are_checked_against_the_assembled_class(llama_f
     assert cfg.model.vision_config["model_type"] == "qwen2_5_vl" and cfg.data.batching == "packed"
     assert cfg.model.freeze == TOWER and cfg.optim.lr_multipliers == {"model.visual.merger": 10}
     assert packing_refusal(Qwen2_5_VLConfig()) is None and packing_refusal(Gemma3Config()) is not None
-    assert is_vlm(cfg, resolve_plan(cfg, 1), str(llama_folder))
+    assert is_vlm(cfg.model, cfg.data, resolve_plan(cfg, 1), str(llama_folder))
     padded = load_config(["recipe=recipes/vlm_qwen.yaml", "data.batching=padded", "eval.batching=padded"])
-    assert is_vlm(padded, resolve_plan(padded, 1), str(llama_folder))
+    assert is_vlm(padded.model, padded.data, resolve_plan(padded, 1), str(llama_folder))
 
 
 def test_the_dummy_image_of_a_hub_qwen_processor_is_its_smallest_image():

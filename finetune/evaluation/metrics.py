@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from transformers import EarlyStoppingCallback, TrainerCallback
 
-from finetune.recipe import Config
+from finetune.recipe import EvalConfig
 
 if TYPE_CHECKING:
     from finetune.evaluation.samples import GenerateSamples
@@ -81,13 +81,13 @@ class EvalCallbacks:
     early_stopping: EarlyStopping | None
 
 
-def callbacks(cfg: Config, prompts: list) -> EvalCallbacks:
+def callbacks(ev: EvalConfig, prompts: list) -> EvalCallbacks:
     """`prompts`: finetune.evaluation.prompts.SamplePrompt, generated from at each evaluation."""
     from finetune.evaluation.samples import GenerateSamples
 
     at_end = EvaluateAtEnd()
-    samples = GenerateSamples(prompts, cfg.eval.max_new_tokens) if prompts else None
-    patience = cfg.eval.early_stopping_patience
+    samples = GenerateSamples(prompts, ev.max_new_tokens) if prompts else None
+    patience = ev.early_stopping_patience
     early_stopping = EarlyStopping(patience) if patience else None
     added = [at_end, *(c for c in (samples, early_stopping) if c is not None)]
     return EvalCallbacks(added, samples, early_stopping)

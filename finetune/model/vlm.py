@@ -21,33 +21,33 @@ from finetune.model.image_rows import check_packing, forward_inputs
 from finetune.model.llava import IMAGE_TOKEN
 from finetune.model.loading import DTYPES
 from finetune.model.processors import auto_processor
-from finetune.recipe import Config, ModelConfig, RecipeError, RunPlan, first_line
+from finetune.recipe import DataConfig, ModelConfig, RecipeError, RunPlan, first_line
 
 SHAPES = "shapes_captions"
 
 
-def is_vlm(cfg: Config, plan: RunPlan, folder: str) -> bool:
+def is_vlm(model: ModelConfig, data: DataConfig, plan: RunPlan, folder: str) -> bool:
     """A recipe trains a VLM when it assembles one (model.vision_config) or its model's config has a vision part."""
     config = None
-    if not cfg.model.vision_config:
+    if not model.vision_config:
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         except (OSError, ValueError):  # finetune.model.loading.load_model reports an unloadable model
             config = None
-    vision = bool(cfg.model.vision_config) or getattr(config, "vision_config", None) is not None
-    if vision and cfg.data.streaming:
+    vision = bool(model.vision_config) or getattr(config, "vision_config", None) is not None
+    if vision and data.streaming:
         raise RecipeError("data.streaming=true reads text rows only; a VLM recipe needs data.streaming=false")
-    if not vision and cfg.data.source == SHAPES:
+    if not vision and data.source == SHAPES:
         raise RecipeError(
-            f"data.source={SHAPES} is an image set and model.name_or_path={cfg.model.name_or_path} is a text model; "
+            f"data.source={SHAPES} is an image set and model.name_or_path={model.name_or_path} is a text model; "
             "set model.vision_config (see recipes/vlm.yaml) or use a vision-language model"
         )
-    if cfg.model.vision_config:  # an assembled VLM: packing depends on its class only
-        config = assembled_config(cfg.model)
+    if model.vision_config:  # an assembled VLM: packing depends on its class only
+        config = assembled_config(model)
     if vision and config is not None:
-        check_packing(cfg.model, plan, config)
+        check_packing(model, plan, config)
     return vision
 
 

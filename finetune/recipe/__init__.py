@@ -11,7 +11,7 @@ from finetune.recipe.batch_modes import MODES, Batching
 from finetune.recipe.checks import accumulation_steps, check_config, is_budgeted
 from finetune.recipe.data_schema import MixtureSource
 from finetune.recipe.fields import RecipeError, first_line
-from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_yaml
+from finetune.recipe.loading import load_config, recipe_file, split_tool_args, to_tree, to_yaml
 from finetune.recipe.run_plan import RunPlan, resolve_plan
 from finetune.recipe.schema import (
     CHOICES,
@@ -60,5 +60,6 @@ __all__ = [
     "load_config",
     "recipe_file",
     "split_tool_args",
+    "to_tree",
     "to_yaml",
 ]

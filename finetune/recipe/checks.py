@@ -9,7 +9,7 @@ from finetune import env
 from finetune.recipe.batch_modes import Batching
 from finetune.recipe.bounds import check_numbers
 from finetune.recipe.fields import RecipeError
-from finetune.recipe.schema import CHOICES, Config, DataConfig, choice_error
+from finetune.recipe.schema import CHOICES, Config, DataConfig, ModelConfig, TrainConfig, choice_error
 from finetune.recipe.set_checks import check_batching, check_eval, check_mixture, training_batching
 
 
@@ -185,32 +185,32 @@ def check_global_batch(config: Config, ranks: int) -> None:
         )
 
 
-def precision_on_device(config: Config, gpu_name: str | None, gpu_has_bf16: bool) -> str | None:
+def precision_on_device(train: TrainConfig, model: ModelConfig, gpu_name: str | None, gpu_has_bf16: bool) -> str | None:
     """What the recipe's precision cannot do on this device (None: it can). `gpu_name`: the CUDA device, None on a CPU
     (accelerate runs fp16 there as plain fp32: no autocast, no GradScaler)."""
-    if config.train.precision == "fp16" and gpu_name is None:
+    if train.precision == "fp16" and gpu_name is None:
         return "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"
     wants_bf16 = [
-        k
-        for k, v in (
-            ("train.precision", config.train.precision == "bf16"),
-            ("model.dtype", config.model.dtype == "bfloat16"),
+        f"{k}={v}"
+        for k, v, wanted in (
+            ("train.precision", train.precision, "bf16"),
+            ("model.dtype", model.dtype, "bfloat16"),
         )
-        if v
+        if v == wanted
     ]
     if gpu_name is not None and not gpu_has_bf16 and wants_bf16:
         return (
-            f"{' and '.join(f'{k}={_get(config, k)}' for k in wants_bf16)} needs bf16, which this GPU ({gpu_name}) "
+            f"{' and '.join(wants_bf16)} needs bf16, which this GPU ({gpu_name}) "
             "does not have (Ampere or newer does); use train.precision=fp16 with model.dtype=float32, or fp32"
         )
     return None
 
 
-def precision_warning(config: Config) -> str | None:
+def precision_warning(model: ModelConfig) -> str | None:
     """model.dtype=bfloat16 with AdamW/LAMB/SGD/LARS: the optimizer updates bf16 weights in place (no float32 master
     copy), so an update below a weight's bf16 resolution (2^-8 of it) is rounded away. Allowed (half the memory), said
     once: an lr of 1e-5 on weights of 1e-2 is lost whole."""
-    if config.model.dtype != "bfloat16":
+    if model.dtype != "bfloat16":
         return None
     return (
         "model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller than 1/256 of a weight "

@@ -281,6 +281,11 @@ def load_config(argv: list[str]) -> Config:
     return config
 
 
+def to_tree(config: Config) -> dict:
+    """The resolved recipe as a tree of plain values (W&B's run config)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
 def to_yaml(config: Config) -> str:
     """The recipe as YAML that load_config reads back to the same Config (recipe.yaml of a run, --dry-run)."""
     tree = OmegaConf.to_container(OmegaConf.structured(config))

@@ -9,13 +9,14 @@ chooses a size and the resolved recipe gets a new plan.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from finetune.recipe.batch_modes import Batching
 from finetune.recipe.checks import accumulation_steps
 from finetune.recipe.fields import RecipeError
 from finetune.recipe.schema import Config, choice_error
-from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, training_batching
+from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, ignored_eval_keys, training_batching
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class RunPlan:
     global_batch: int  # what one optimizer step takes over all ranks, in `batch_unit`
     batch_unit: str  # sequences | tokens (train.global_batch_tokens)
     peak_lr: float  # optim.lr after optim.lr_scaling to the global batch
+    run_name: str  # log.run_name, else named after the recipe file, global batch size and lr
+    ignored_eval_keys: tuple[str, ...]  # eval keys given that mean nothing without an eval set (said at start)
 
     @property
     def evaluates(self) -> bool:
@@ -53,7 +56,17 @@ def resolve_plan(config: Config, ranks: int) -> RunPlan:
         global_batch=global_batch,
         batch_unit=unit,
         peak_lr=peak_lr(config),
+        run_name=run_name(config),
+        ignored_eval_keys=tuple(ignored_eval_keys(config)),
     )
+
+
+def run_name(config: Config) -> str:
+    """log.run_name, else `<recipe file's stem>-gb<train.global_batch_size>-lr<optim.lr>` (`run` without a file)."""
+    if config.log.run_name:
+        return config.log.run_name
+    recipe = os.path.splitext(os.path.basename(config.recipe))[0] if config.recipe else "run"
+    return f"{recipe}-gb{config.train.global_batch_size}-lr{config.optim.lr:g}"
 
 
 def global_batch_of(config: Config) -> tuple[int, str]:

@@ -30,8 +30,8 @@ def optimizer_steps(cfg: Config, plan: RunPlan) -> tuple[int, str]:
     from finetune.assemble import load_data, load_tokenizer
 
     with contextlib.redirect_stdout(sys.stderr):  # the data report lines
-        _, rows, tokenizer = load_tokenizer(cfg, plan)
-        batches = load_data(cfg, plan, tokenizer, rows, evaluate=False).batches
+        _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, plan)
+        batches = load_data(cfg.data, cfg.eval, cfg.train.seed, plan, tokenizer, rows, evaluate=False).batches
     steps = batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
     return steps, f"train.epochs={cfg.train.epochs:g}, counted from the data"
 
@@ -60,7 +60,7 @@ def plan_lines(cfg: Config, plan: RunPlan) -> list[str]:
         shape = f"warmup {warmup} optimizer step{'s' if warmup != 1 else ''} ({s.warmup}); schedule {s.name}"
         shape += f" down to min_lr_ratio {s.min_lr_ratio:g}" if s.name != "constant" else ""
     return [
-        schedules.startup_line(cfg, plan, steps) + f" ({source})",
+        schedules.startup_line(cfg.train, cfg.data, cfg.optim, plan, steps) + f" ({source})",
         shape,
         precision,
     ]

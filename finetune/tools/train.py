@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from finetune.env import cpu_threads, world_size
-from finetune.recipe import Config, RunPlan, load_config, resolve_plan
+from finetune.recipe import Config, RunPlan, load_config, resolve_plan, to_yaml
 from finetune.recipe.usage import Command, help_asked, print_page
 from finetune.tools.boundary import run_command
 from finetune.training import distributed
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config([arg for arg in argv if arg != DRY_RUN])
         plan = resolve_plan(cfg, world_size())
-        distributed.check_launch(cfg, plan)  # accelerate launch's settings vs the recipe, before torch loads
+        # accelerate launch's settings vs the recipe, before torch loads
+        distributed.check_launch(cfg.train, cfg.optim, cfg.data, plan)
         if DRY_RUN in argv:  # the recipe and what it implies, without loading the model
             from finetune.tools.dry_run import dry_run
 
@@ -78,7 +79,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
 
             cfg, plan = resolve_auto_micro_batch(cfg)
         plan = plan or resolve_plan(cfg, world_size())
-        record = resume_checks.RecipeRecord(cfg)  # recipe.yaml in each checkpoint; compared at resume
+        record = resume_checks.RecipeRecord(to_yaml(cfg))  # recipe.yaml in each checkpoint; compared at resume
         ends_evaluation = lifecycle.StopDuringEvaluation(stop)  # a stop request ends an evaluation at a batch
         trainer = build(
             cfg, plan, callbacks=(*callbacks, record, ends_evaluation), run_files=(record,), stop_request=stop
@@ -100,10 +101,10 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
         texts = trainer.files_of_run()  # recipe.yaml (this recipe, after what each resume changed), timings.jsonl
         lifecycle.save_final(trainer, texts if trainer.is_world_process_zero() else {})
-    figures = run_summary.summary(cfg, trainer, start_step)
+    figures = run_summary.summary(trainer, start_step)
     if trainer.reports.wandb is not None:
         trainer.reports.wandb.finish(figures)
     if trainer.is_world_process_zero():
-        run_summary.print_summary(cfg, trainer, figures)
+        run_summary.print_summary(cfg.train, cfg.log, trainer, figures)
     lifecycle.leave_together(trainer)
     return 0

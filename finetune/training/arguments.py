@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import TrainingArguments
 
-from finetune.recipe import Config, DataConfig, EvalConfig, LogConfig, OptimConfig, RunPlan, TrainConfig
+from finetune.recipe import DataConfig, EvalConfig, LogConfig, OptimConfig, RunPlan, TrainConfig
 from finetune.training import distributed, reporting
 
 
@@ -62,18 +62,26 @@ def eval_keys(ev: EvalConfig) -> dict:
     return keys
 
 
-def training_arguments(cfg: Config, plan: RunPlan, batches, evaluating: bool) -> TrainingArguments:
+def training_arguments(
+    train: TrainConfig,
+    optim: OptimConfig,
+    log: LogConfig,
+    data: DataConfig,
+    ev: EvalConfig,
+    plan: RunPlan,
+    batches,
+    evaluating: bool,
+) -> TrainingArguments:
     """Built before the model: under ZeRO-3 they register DeepSpeed's config (zero3_init_flag), so the model is built
     partitioned (deepspeed.zero.Init) instead of whole in every rank's host memory."""
-    optim: OptimConfig = cfg.optim
     return TrainingArguments(
-        **train_keys(cfg.train, plan.accumulation),
-        **log_keys(cfg.log, reporting.run_name(cfg)),
-        **data_keys(cfg.data, batches.per_device_batch_size, batches.group_by_length),
-        **(eval_keys(cfg.eval) if evaluating else {}),
+        **train_keys(train, plan.accumulation),
+        **log_keys(log, plan.run_name),
+        **data_keys(data, batches.per_device_batch_size, batches.group_by_length),
+        **(eval_keys(ev) if evaluating else {}),
         learning_rate=plan.peak_lr,
         weight_decay=optim.weight_decay,
         ddp_find_unused_parameters=False,
-        accelerator_config=distributed.accelerator_config(cfg),
+        accelerator_config=distributed.accelerator_config(train),
         use_cpu=not reporting.has_accelerator(),
     )

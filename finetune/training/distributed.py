@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from finetune.recipe import Config, RecipeError, RunPlan, is_budgeted
+from finetune.recipe import DataConfig, OptimConfig, RecipeError, RunPlan, TrainConfig, is_budgeted
 
 # accelerate's names for the precisions a recipe can ask for (train.precision)
 RECIPE_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -37,9 +37,10 @@ def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
     return _true(env.get("ACCELERATE_USE_FSDP"))
 
 
-def _precision_problem(cfg: Config, env: Mapping[str, str]) -> str | None:
+def _precision_problem(precision: str, env: Mapping[str, str]) -> str | None:
+    """`precision`: train.precision."""
     launched = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    wanted = RECIPE_PRECISION[cfg.train.precision]
+    wanted = RECIPE_PRECISION[precision]
     # "no" is accelerate's default and cannot be told apart from an unset value: the recipe decides then.
     if launched in ("no", wanted):
         return None
@@ -47,26 +48,26 @@ def _precision_problem(cfg: Config, env: Mapping[str, str]) -> str | None:
     fix_recipe = f"pass train.precision={recipe_value}, or " if recipe_value else ""
     return (
         f"accelerate launch runs with mixed_precision={launched} but the recipe has "
-        f"train.precision={cfg.train.precision}; {fix_recipe}remove mixed_precision from the accelerate config "
+        f"train.precision={precision}; {fix_recipe}remove mixed_precision from the accelerate config "
         "(and --mixed_precision from the command line) so the recipe decides"
     )
 
 
-def _recipe_batch(cfg: Config, plan: RunPlan) -> dict[str, tuple[float, str]]:
+def _recipe_batch(train: TrainConfig, data: DataConfig, plan: RunPlan) -> dict[str, tuple[float, str]]:
     """DeepSpeed key -> (the value the recipe implies, how the recipe says it)."""
-    clipping = {"gradient_clipping": (cfg.train.max_grad_norm, f"train.max_grad_norm={cfg.train.max_grad_norm}")}
+    clipping = {"gradient_clipping": (train.max_grad_norm, f"train.max_grad_norm={train.max_grad_norm}")}
     accumulation, ranks = plan.accumulation, plan.ranks
     if accumulation is None:  # train.micro_batch_size=auto: the batch keys are compared once it is planned
         return clipping
     plural = "s" if ranks != 1 else ""
-    if is_budgeted(cfg.data):
-        micro, micro_text = 1, f"1 (data.batching={cfg.data.batching} fills each micro-batch by tokens)"
+    if is_budgeted(data):
+        micro, micro_text = 1, f"1 (data.batching={data.batching} fills each micro-batch by tokens)"
         total_text = f"{accumulation} = accumulation × {ranks} rank{plural}"
     else:
-        micro, micro_text = cfg.train.micro_batch_size, f"train.micro_batch_size={cfg.train.micro_batch_size}"
-        total_text = f"train.global_batch_size={cfg.train.global_batch_size}"
-    unit = "tokens" if is_budgeted(cfg.data) else "sequences"
-    global_key = "train.global_batch_tokens" if is_budgeted(cfg.data) else "train.global_batch_size"
+        micro, micro_text = train.micro_batch_size, f"train.micro_batch_size={train.micro_batch_size}"
+        total_text = f"train.global_batch_size={train.global_batch_size}"
+    unit = "tokens" if is_budgeted(data) else "sequences"
+    global_key = "train.global_batch_tokens" if is_budgeted(data) else "train.global_batch_size"
     return {
         "train_micro_batch_size_per_gpu": (micro, micro_text),
         "gradient_accumulation_steps": (
@@ -150,31 +151,33 @@ def _section_problems(where: str, values: dict, precision: str) -> list[str]:
     return problems
 
 
-def _deepspeed_problems(cfg: Config, plan: RunPlan, env: Mapping[str, str]) -> list[str]:
-    recipe = _recipe_batch(cfg, plan)
+def _deepspeed_problems(train: TrainConfig, data: DataConfig, plan: RunPlan, env: Mapping[str, str]) -> list[str]:
+    recipe = _recipe_batch(train, data, plan)
     problems = []
     for where, values in _deepspeed_sources(env):
         problems += _batch_problems(where, values, recipe)
-        problems += _section_problems(where, values, cfg.train.precision)
+        problems += _section_problems(where, values, train.precision)
     return problems
 
 
-def check_launch(cfg: Config, plan: RunPlan, env: Mapping[str, str] = os.environ) -> None:
+def check_launch(
+    train: TrainConfig, optim: OptimConfig, data: DataConfig, plan: RunPlan, env: Mapping[str, str] = os.environ
+) -> None:
     """One RecipeError listing every way the launcher's settings contradict the recipe and its plan (resolved for
     the launch's ranks: a rank count that does not divide the global batch failed there); nothing when they agree."""
     problems = []
-    precision = _precision_problem(cfg, env)
+    precision = _precision_problem(train.precision, env)
     if precision:
         problems.append(precision)
     if uses_deepspeed(env):
-        problems += _deepspeed_problems(cfg, plan, env)
-        if cfg.optim.name in ("lamb", "lars"):
+        problems += _deepspeed_problems(train, data, plan, env)
+        if optim.name in ("lamb", "lars"):
             # ZeRO hands the optimizer flat partitions of many tensors: per-tensor trust ratios would be wrong
             problems.append(
-                f"optim.name={cfg.optim.name} computes a trust ratio per parameter tensor, which DeepSpeed ZeRO's flat "
+                f"optim.name={optim.name} computes a trust ratio per parameter tensor, which DeepSpeed ZeRO's flat "
                 "partitions do not keep; use accelerate_configs/fsdp2.yaml or ddp.yaml, or optim.name=adamw"
             )
-    if uses_fsdp(env) and _true(env.get("FSDP_ACTIVATION_CHECKPOINTING")) and cfg.train.gradient_checkpointing:
+    if uses_fsdp(env) and _true(env.get("FSDP_ACTIVATION_CHECKPOINTING")) and train.gradient_checkpointing:
         problems.append(
             "the accelerate config sets fsdp_activation_checkpointing and the recipe sets "
             "train.gradient_checkpointing=true; keep one (FSDP's is the one that works with sharded layers)"
@@ -183,10 +186,10 @@ def check_launch(cfg: Config, plan: RunPlan, env: Mapping[str, str] = os.environ
         raise RecipeError("; and ".join(problems))
 
 
-def accelerator_config(cfg: Config) -> dict:
+def accelerator_config(train: TrainConfig) -> dict:
     """TrainingArguments(accelerator_config=...): with train.sync_each_batch, gradients are reduced after every
     micro-batch instead of once per window (more communication, but no unsharded gradient held under FSDP)."""
-    return {"gradient_accumulation_kwargs": {"sync_each_batch": cfg.train.sync_each_batch}}
+    return {"gradient_accumulation_kwargs": {"sync_each_batch": train.sync_each_batch}}
 
 
 def _fsdp_plugin():

@@ -15,13 +15,12 @@ import urllib.request
 from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
 from finetune.core.meter import TIMING_KEYS
 from finetune.env import is_main_process
-from finetune.recipe import Config, RecipeError
+from finetune.recipe import LogConfig, RecipeError, TrainConfig
 from finetune.training.console import StepProgress
 
 
@@ -32,13 +31,6 @@ def main_print(line: str) -> None:
 
 def has_accelerator() -> bool:
     return torch.cuda.is_available()
-
-
-def run_name(cfg: Config) -> str:
-    if cfg.log.run_name:
-        return cfg.log.run_name
-    recipe = os.path.splitext(os.path.basename(cfg.recipe))[0] if cfg.recipe else "run"
-    return f"{recipe}-gb{cfg.train.global_batch_size}-lr{cfg.optim.lr:g}"
 
 
 WANDB_ANSWER_S = 3.0  # how long log.wandb_mode=auto/online waits for the W&B service to answer
@@ -71,10 +63,10 @@ def wandb_answer(url: str) -> str | None:
     return None
 
 
-def wandb_mode(cfg: Config) -> str:
+def wandb_mode(log: LogConfig) -> str:
     """log.wandb_mode, with auto resolved: online when an API key is found and the service answers, else offline."""
-    if cfg.log.wandb_mode != "auto":
-        return cfg.log.wandb_mode
+    if log.wandb_mode != "auto":
+        return log.wandb_mode
     return "online" if has_wandb_key() and wandb_answer(wandb_url()) is None else "offline"
 
 
@@ -89,17 +81,17 @@ def parameters_line(model: torch.nn.Module) -> str:
     return f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / max(total, 1):.2f} %)"
 
 
-def configure_wandb(cfg: Config) -> None:
+def configure_wandb(log: LogConfig, train: TrainConfig) -> None:
     """W&B runs land under the output directory; offline runs need no key and upload later with `wandb sync`.
     online without a key or an answering service is a RecipeError (nothing is written); auto falls back to offline
     with one warning when it has a key but no answer."""
-    if cfg.log.wandb_mode == "online" and not has_wandb_key():
+    if log.wandb_mode == "online" and not has_wandb_key():
         raise RecipeError(
             "log.wandb_mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`); log in, or set "
             "log.wandb_mode=offline (upload later with `wandb sync`)"
         )
-    if cfg.log.wandb_mode in ("online", "auto") and has_wandb_key() and (why := wandb_answer(wandb_url())):
-        if cfg.log.wandb_mode == "online":
+    if log.wandb_mode in ("online", "auto") and has_wandb_key() and (why := wandb_answer(wandb_url())):
+        if log.wandb_mode == "online":
             raise RecipeError(
                 f"log.wandb_mode=online: the W&B service {why}; check the network (or "
                 "WANDB_BASE_URL), or set log.wandb_mode=offline (upload later with `wandb sync`)"
@@ -111,17 +103,17 @@ def configure_wandb(cfg: Config) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    mode = wandb_mode(cfg)
+    mode = wandb_mode(log)
     os.environ["WANDB_MODE"] = mode
     if mode == "disabled":
         return
-    os.environ["WANDB_PROJECT"] = cfg.log.wandb_project
-    os.environ.setdefault("WANDB_DIR", os.path.abspath(cfg.train.output_dir))
+    os.environ["WANDB_PROJECT"] = log.wandb_project
+    os.environ.setdefault("WANDB_DIR", os.path.abspath(train.output_dir))
     os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def wandb_run_dir(cfg: Config) -> str | None:
-    runs = sorted(glob.glob(os.path.join(os.environ.get("WANDB_DIR", cfg.train.output_dir), "wandb", "*run-*")))
+def wandb_run_dir(output_dir: str) -> str | None:
+    runs = sorted(glob.glob(os.path.join(os.environ.get("WANDB_DIR", output_dir), "wandb", "*run-*")))
     return runs[-1] if runs else None
 
 
@@ -176,11 +168,12 @@ class TimingLog(TrainerCallback):
 
 
 class RecipeWandbCallback(WandbCallback):
-    """W&B on rank 0: the whole resolved recipe as the run config, and the end-of-run table as the run summary."""
+    """W&B on rank 0: the whole resolved recipe (`recipe`, as a tree of plain values) as the run config, and the
+    end-of-run table as the run summary."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, recipe: dict):
         super().__init__()
-        self.recipe = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        self.recipe = recipe
 
     def setup(self, args, state, model, **kwargs):
         super().setup(args, state, model, **kwargs)
@@ -236,10 +229,11 @@ class RunReports:
     wandb: RecipeWandbCallback | None
 
 
-def reports(cfg: Config) -> RunReports:
-    progress, timings = StepProgress(), TimingLog(cfg.train.output_dir)
-    wandb = RecipeWandbCallback(cfg) if wandb_mode(cfg) != "disabled" else None
+def reports(train: TrainConfig, log: LogConfig, recipe: dict) -> RunReports:
+    """`recipe`: the whole resolved recipe as a tree of plain values (W&B's run config)."""
+    progress, timings = StepProgress(), TimingLog(train.output_dir)
+    wandb = RecipeWandbCallback(recipe) if wandb_mode(log) != "disabled" else None
     added: list[TrainerCallback] = [progress, timings, *([wandb] if wandb else [])]
-    if cfg.train.profile_steps:
-        added.append(ProfileSteps(*cfg.train.profile_steps, cfg.train.output_dir))
+    if train.profile_steps:
+        added.append(ProfileSteps(*train.profile_steps, train.output_dir))
     return RunReports(added, timings, wandb)

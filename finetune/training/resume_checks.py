@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from transformers import TrainerCallback
 from transformers.trainer_utils import has_length
 
-from finetune.recipe import OPEN_DICTS, Config, RecipeError, to_yaml
+from finetune.recipe import OPEN_DICTS, Config, RecipeError
 from finetune.recipe.run_plan import peak_lr
 
 STREAM = "stream"  # dataset_items of a streamed run
@@ -197,15 +197,17 @@ class RecipeRecord(TrainerCallback):
     `files_for_checkpoint` gives) and in the final save, its first lines naming what each resume changed. `resume`
     compares a checkpoint's recipe with this run's: a refused key is one RecipeError naming it and both values; an
     applied one (lr, schedule, run length, clipping) is stated in one warning and, at train begin, put into the
-    optimizer and scheduler the checkpoint restored."""
+    optimizer and scheduler the checkpoint restored. `recipe`: this run's recipe as recipe.yaml holds it
+    (finetune.recipe.to_yaml), read back the way a checkpoint's is."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, recipe: str):
+        self.recipe = recipe
+        self.cfg = config_of(yaml.safe_load(recipe) or {})
         self.history: list[str] = []
         self.lr_ratio: float | None = None  # the new peak lr over the recorded one, once resumed with changes
 
     def text(self) -> str:
-        return "".join(self.history) + to_yaml(self.cfg)
+        return "".join(self.history) + self.recipe
 
     def files_for_checkpoint(self) -> dict[str, str]:
         return {RECIPE: self.text()}

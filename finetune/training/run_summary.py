@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from finetune.evaluation import metrics
-from finetune.recipe import Config
+from finetune.recipe import LogConfig, TrainConfig
 from finetune.training.reporting import wandb_mode, wandb_run_dir
 
 
@@ -40,7 +40,7 @@ def record_whole_run_loss(trainer, start_step: int) -> None:
         )
 
 
-def summary(cfg: Config, trainer, start_step: int = 0) -> dict:
+def summary(trainer, start_step: int = 0) -> dict:
     """The end-of-run figures: steps (of the run; `start_step`: where this process began), tokens, wall time and
     tokens/s of this process, final and whole-run train loss, peak memory."""
     steps = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
@@ -61,7 +61,7 @@ def summary(cfg: Config, trainer, start_step: int = 0) -> dict:
     }
 
 
-def print_summary(cfg: Config, trainer, figures: dict) -> None:
+def print_summary(train: TrainConfig, log: LogConfig, trainer, figures: dict) -> None:
     resumed = figures["start_step"]
     this = f" in this process (steps {resumed + 1}-{figures['optimizer_steps']})" if resumed else ""
     rows = [
@@ -78,9 +78,9 @@ def print_summary(cfg: Config, trainer, figures: dict) -> None:
         ),
         ("peak memory", f"{figures['peak_mem_mb']:.0f} MB" if figures["peak_mem_mb"] else "n/a"),
         *metrics.summary_rows(figures),
-        ("model", f"{os.path.abspath(cfg.train.output_dir)}  (from_pretrained on this folder)"),
+        ("model", f"{os.path.abspath(train.output_dir)}  (from_pretrained on this folder)"),
     ]
-    run, mode = wandb_run_dir(cfg), wandb_mode(cfg)
+    run, mode = wandb_run_dir(train.output_dir), wandb_mode(log)
     if run:
         rows.append(("W&B run", f"{run}" + (f"  (upload later: wandb sync {run})" if mode == "offline" else "")))
     width = max(len(name) for name, _ in rows)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from finetune.recipe import Config, RecipeError, ScheduleConfig, choice_error
+from finetune.recipe import DataConfig, OptimConfig, RecipeError, ScheduleConfig, TrainConfig, choice_error
 from finetune.recipe.run_plan import RunPlan
 
 
@@ -151,19 +151,17 @@ def describe_batch_and_lr(
     return line
 
 
-def startup_line(cfg: Config, plan: RunPlan, total_steps: int) -> str:
+def startup_line(train: TrainConfig, data: DataConfig, optim: OptimConfig, plan: RunPlan, total_steps: int) -> str:
     """`describe_batch_and_lr` for a planned run, with its optimizer steps."""
-    micro = (
-        f"{cfg.data.max_tokens_per_micro_batch} tokens" if plan.batch_unit == "tokens" else cfg.train.micro_batch_size
-    )
+    micro = f"{data.max_tokens_per_micro_batch} tokens" if plan.batch_unit == "tokens" else train.micro_batch_size
     line = describe_batch_and_lr(
         micro,
         plan.accumulation,
         plan.ranks,
-        cfg.optim.lr,
+        optim.lr,
         plan.peak_lr,
-        cfg.optim.lr_scaling,
-        cfg.optim.base_batch_size,
+        optim.lr_scaling,
+        optim.base_batch_size,
         plan.global_batch,
         plan.batch_unit,
     )
