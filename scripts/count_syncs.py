@@ -13,7 +13,8 @@ active=--steps, stepped at every optimizer step's end). Two counts over the acti
 - on a CPU, the syncs a CUDA run would make, modelled by finetune/testing/host_syncs.py (the model and every batch
   moved to the device are "on the device"; `.item()`, `nonzero`, boolean-mask indexing, `.tolist()` of anything
   computed from them count): `modelled_syncs_per_step` over the steps after the first, and where each one is.
-- ops that wait for the device when their input is on a GPU, counted on any device (on a CPU an upper bound): aten::_local_scalar_dense (`.item()`, `int()`, `bool()` of a tensor), aten::nonzero (boolean-mask indexing
+- ops that wait for the device when their input is on a GPU, counted on any device (on a CPU an upper bound):
+  aten::_local_scalar_dense (`.item()`, `int()`, `bool()` of a tensor), aten::nonzero (boolean-mask indexing
   too), aten::masked_select, aten::unique*. A CPU proxy and an upper bound: it also counts reads of tensors that stay
   on the host in a GPU run (counts taken from the host batch), and sees neither blocking copies nor `.tolist()`.
 """
@@ -124,7 +125,7 @@ def count(recipe_args: list[str], steps: int, kernels: str | None = None) -> dic
 
 
 def modelled(trainer, steps: int, recipe_args: list[str]) -> dict:
-    """On a CPU: the syncs a CUDA run would make, per optimizer step after the first (finetune/testing/host_syncs.py)."""
+    """On a CPU: the syncs a CUDA run would make per optimizer step after the first (finetune/testing/host_syncs.py)."""
     from finetune.testing.host_syncs import step_counts, train_counting
 
     syncs = train_counting(trainer)
