@@ -10,8 +10,11 @@ active=--steps, stepped at every optimizer step's end). Two counts over the acti
 - CUDA: the runtime calls that block the host: cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize
   and the synchronous cudaMemcpy (an `.item()`, a `nonzero`, a blocking copy each make one). The figure the issue's
   bound is about: at most one per micro-batch plus three per optimizer step.
-- ops that wait for the device when their input is on a GPU, counted on any device (on a CPU the only count there
-  is): aten::_local_scalar_dense (`.item()`, `int()`, `bool()` of a tensor), aten::nonzero (boolean-mask indexing
+- on a CPU, the syncs a CUDA run would make, modelled by finetune/testing/host_syncs.py (the model and every batch
+  moved to the device are "on the device"; `.item()`, `nonzero`, boolean-mask indexing, `.tolist()` of anything
+  computed from them count): `modelled_syncs_per_step` over the steps after the first, and where each one is.
+- ops that wait for the device when their input is on a GPU, counted on any device (on a CPU an upper bound):
+  aten::_local_scalar_dense (`.item()`, `int()`, `bool()` of a tensor), aten::nonzero (boolean-mask indexing
   too), aten::masked_select, aten::unique*. A CPU proxy and an upper bound: it also counts reads of tensors that stay
   on the host in a GPU run (counts taken from the host batch), and sees neither blocking copies nor `.tolist()`.
 """
@@ -84,6 +87,8 @@ def count(recipe_args: list[str], steps: int, kernels: str | None = None) -> dic
         cfg.train.output_dir = output_dir
         with contextlib.redirect_stdout(io.StringIO()):
             trainer = build(cfg, evaluate=False)
+        if not cuda:
+            return modelled(trainer, steps, recipe_args)
         with torch.profiler.profile(activities=activities, schedule=schedule) as profiler:
             sites = SyncSites()
 
@@ -119,6 +124,27 @@ def count(recipe_args: list[str], steps: int, kernels: str | None = None) -> dic
     }
 
 
+def modelled(trainer, steps: int, recipe_args: list[str]) -> dict:
+    """On a CPU: the syncs a CUDA run would make per optimizer step after the first (finetune/testing/host_syncs.py)."""
+    from finetune.testing.host_syncs import step_counts, train_counting
+
+    syncs = train_counting(trainer)
+    per_step = step_counts(syncs)
+    micro_batches = trainer.args.gradient_accumulation_steps
+    mean = sum(per_step.values()) / max(len(per_step), 1)
+    return {
+        "device": "cpu (CUDA syncs modelled)",
+        "steps": len(per_step),
+        "micro_batches_per_step": micro_batches,
+        "modelled_syncs_per_step": mean,
+        "modelled_syncs_by_step": per_step,
+        "bound_per_step": micro_batches + 3,
+        "within_bound": mean <= micro_batches + 3,
+        "recipe": recipe_args,
+        "sync_sites_all_steps": dict(syncs.sites.most_common(25)),
+    }
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps counted, after one warm-up step")
@@ -137,7 +163,15 @@ def main(argv: list[str]) -> int:
             f"CUDA host syncs per optimizer step: {cuda:.1f} (bound {result['bound_per_step']}: "
             f"{'within' if result['within_bound'] else 'ABOVE'}) {result['cuda_syncs']}"
         )
-    print(f"syncing ops per optimizer step: {result['syncing_ops_per_step']:.1f} {result['syncing_ops']}")
+    if "modelled_syncs_per_step" in result:
+        print(
+            f"modelled CUDA host syncs per optimizer step: {result['modelled_syncs_per_step']:.1f} "
+            f"(bound {result['bound_per_step']}) {result['modelled_syncs_by_step']}"
+        )
+        for site, n in result["sync_sites_all_steps"].items():
+            print(f"  {n:4d}  {site}")
+    else:
+        print(f"syncing ops per optimizer step: {result['syncing_ops_per_step']:.1f} {result['syncing_ops']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -109,10 +109,17 @@ def kept_cross_entropy_sum(
     return _summed_cross_entropy(kept_logits, kept, label_smoothing), torch.tensor(count)
 
 
-def _targets_of_kept_rows(kept_rows: torch.Tensor, targets: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+def _targets_of_kept_rows(
+    kept_rows: torch.Tensor, targets: torch.Tensor, what: str, kept_index: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
     """(the targets of kept rows [N, ·] on their device, N): N is the rows' own host count, so no host sync. Checked
-    where it costs nothing (a tensor's rank, host targets); on a GPU the count is the model's own."""
+    where it costs nothing (a tensor's rank, host targets, the length of a kept index made on the host); on a GPU the
+    count is the model's own. `kept_index`: the flat positions of `targets` the rows were taken from."""
     count = kept_rows.shape[0] if kept_rows.dim() == 2 else -1
+    if kept_index is not None:
+        if count < 0 or kept_index.numel() != count:
+            raise ValueError(f"{what} {tuple(kept_rows.shape)} do not match {kept_index.numel()} kept positions")
+        return targets.reshape(-1).index_select(0, kept_index).to(kept_rows.device), count
     expected = int((targets != IGNORE_INDEX).sum()) if targets.device.type == "cpu" else count
     if count < 0 or expected != count:
         raise ValueError(f"{what} {tuple(kept_rows.shape)} do not match {expected} targets")
@@ -142,6 +149,13 @@ def sample_loss_sums(
     else:
         raise ValueError(f"unknown problem type {problem_type!r}")
     return per_value.sum(1), torch.full((rows,), per_value.shape[1], dtype=torch.long, device=logits.device)
+
+
+def kept_positions(targets: torch.Tensor) -> torch.Tensor:
+    """The flat positions of `targets` that have a target (int64 [N], row-major): made where the targets are on the
+    host, it is the index that takes the kept hidden states without a device-side boolean mask (each of which reads
+    its count back to the host, in the forward and again in the backward)."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def kept_targets(targets: torch.Tensor, count: int) -> torch.Tensor:
@@ -255,11 +269,14 @@ def head_cross_entropy_sum(
     targets: torch.Tensor,
     label_smoothing: float = 0.0,
     compute_dtype: torch.dtype | None = None,
+    kept_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss from hidden states where `targets != -100` ([N, H], row-major) and the LM head's weight [V, H]
     (and bias), computed in chunks so that [N, V] logits never exist whole. `compute_dtype`: the GEMMs' dtype under
-    mixed precision (None: the ambient autocast's, else the weight's). The count is the host's (N): no host sync."""
-    kept, count = _targets_of_kept_rows(kept_hidden, targets, "kept hidden states")
+    mixed precision (None: the ambient autocast's, else the weight's). `kept_index`: the flat positions of `targets`
+    the rows are (int64 [N], made on the host from the labels: `kept_positions`). The count is the host's (N): no host
+    sync."""
+    kept, count = _targets_of_kept_rows(kept_hidden, targets, "kept hidden states", kept_index)
     if count == 0:  # keeps the graph (zero gradients) without an empty matmul
         return kept_hidden.sum() * 0.0, torch.tensor(0)
     device = kept_hidden.device

@@ -41,6 +41,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from finetune.core import token_mean
+from finetune.core.causal_forward import foreign_forward, own_forward
 from finetune.core.heads import (
     head_passes_hidden_states,
     logits_of,
@@ -57,6 +58,7 @@ from finetune.core.loss import (
     cross_entropy_sum,
     head_cross_entropy_sum,
     kept_cross_entropy_sum,
+    kept_positions,
     row_correct_counts,
     row_cross_entropy_sums,
     sample_loss_sums,
@@ -93,6 +95,11 @@ class TokenNormTrainer(Trainer):
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.loss_kind = self._decide_loss_kind(unwrap_peft_model(unwrapped))
+        # A forward another library put in place of transformers' (Liger's lce_forward): its kernels stay, the causal
+        # LM forward is transformers' own again where it can be (finetune/core/causal_forward.py)
+        replaced = own_forward(unwrap_peft_model(unwrapped)) if self.loss_kind is not None else None
+        if replaced is not None:
+            logger.warning(f"TokenNormTrainer: {replaced}")
         forward = inspect.signature(unwrapped.forward).parameters
         labels_param = forward.get("labels")
         # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
@@ -107,7 +114,7 @@ class TokenNormTrainer(Trainer):
         self._no_cache = {"use_cache": False} if takes_cache else {}
         # Logits only where a target is: prompt and padding positions never reach the LM head (most of the FLOPs and
         # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
-        self._keeps_logits = "logits_to_keep" in forward
+        self._keeps_logits = "logits_to_keep" in forward and foreign_forward(unwrap_peft_model(unwrapped)) is None
         # With kept positions, the LM head and cross-entropy run chunk by chunk on hidden states ([N, vocab] logits
         # never exist whole) once the first training forward has shown that the model returns the head's output
         # unchanged. None: not known yet; False: use the model's logits.
@@ -124,6 +131,9 @@ class TokenNormTrainer(Trainer):
         # token_mean.EVAL_COLUMNS summed over the set while an evaluation loop runs (see evaluating())
         self._eval_sums: torch.Tensor | None = None
         self._gated_optimizer = None
+        # (targets' shape, flat kept positions on the device) of the micro-batch training_step is running, made from
+        # its host labels: the chunked head takes its hidden states by this index (see _host_kept_positions)
+        self._kept_index: tuple | None = None
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
         self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
@@ -180,7 +190,11 @@ class TokenNormTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.verdict.begin_micro_batch()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._kept_index = self._host_kept_positions(inputs)
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._kept_index = None
         if self.verdict.end_micro_batch() and self.loss_kind is not None and not self._foreign_loss_said:
             self._foreign_loss_said = True
             owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
@@ -192,6 +206,21 @@ class TokenNormTrainer(Trainer):
                 "compute_loss_func= for the exact token mean"
             )
         return loss
+
+    def _host_kept_positions(self, inputs) -> tuple | None:
+        """(targets' shape, their flat kept positions copied to the device) from a micro-batch still on the host, once
+        the chunked head is in use: the hidden states are then taken by this integer index, where a boolean mask on
+        the device would read its count back to the host in the forward and again in the backward."""
+        labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+        if not isinstance(self._chunked_head, torch.nn.Module) or self.compute_loss_func is not None:
+            return None
+        if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or self.loss_kind is None:
+            return None
+        targets = targets_of(inputs, self.loss_kind)
+        index = kept_positions(targets)
+        if labels.is_pinned():  # copied without blocking, as the batch is (_prepare_input)
+            index = index.pin_memory()
+        return targets.shape, self._prepare_input(index)
 
     def _data_parallel_size(self) -> int:
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
@@ -266,7 +295,7 @@ class TokenNormTrainer(Trainer):
     def _loss_of_func(self, model, inputs, targets, return_outputs, num_items_in_batch):
         """A `compute_loss_func` divides its own sum by the count it is given: the window's (training) or the batch's
         (evaluation); the data-parallel factor of token_mean.window_loss is applied here."""
-        outputs, _ = self._forward(model, inputs, targets, keep_logits=False)
+        outputs, _, _ = self._forward(model, inputs, targets, keep_logits=False)
         label_tokens = (targets != IGNORE_INDEX).sum()
         per_batch = self.evaluating() or num_items_in_batch is None
         loss = self.compute_loss_func(
@@ -290,14 +319,14 @@ class TokenNormTrainer(Trainer):
         """(outputs, summed loss, label tokens) of one micro-batch: through the chunked head where the model allows
         it, else from its (kept) logits; an evaluation also adds its rows to the set's sums."""
         smoothing = self.args.label_smoothing_factor
-        outputs, hidden = self._forward(model, inputs, targets, keep_logits=keep_logits)
+        outputs, hidden, index = self._forward(model, inputs, targets, keep_logits=keep_logits)
         logits = logits_of(outputs)
         kept = keep_logits and logits is not None and logits.dim() == 2
         full = logits is not None and logits.shape[:-1] == targets.shape
         if hidden is not None:
             head = self._chunked_head
             loss_sum, count = head_cross_entropy_sum(
-                hidden, head.weight, head.bias, targets, smoothing, self._head_dtype
+                hidden, head.weight, head.bias, targets, smoothing, self._head_dtype, index
             )
         elif self.loss_kind == SAMPLE and logits is not None and logits.shape[0] == targets.shape[0]:
             problem = problem_type_of(self.accelerator.unwrap_model(model), targets)
@@ -352,19 +381,31 @@ class TokenNormTrainer(Trainer):
         return {**forward, **self._no_cache}
 
     def _forward(self, model, inputs: Mapping, targets: torch.Tensor, keep_logits: bool):
-        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None).
-        One forward per micro-batch."""
+        """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None, the
+        flat positions they were taken from where known on the host, else None). One forward per micro-batch."""
         forward = self._forward_inputs(model, inputs)
         if not keep_logits:
-            return model(**forward), None
+            return model(**forward), None, None
         forward["logits_to_keep"] = keep = targets != IGNORE_INDEX
         if not torch.is_grad_enabled() or self._chunked_head is False:
-            return model(**forward), None
+            return model(**forward), None, None
         if self._chunked_head is None:
-            return self._forward_finding_head(model, forward) if keep.any() else (model(**forward), None)
+            return (*self._forward_finding_head(model, forward), None) if keep.any() else (model(**forward), None, None)
+        host_index, self._kept_index = self._kept_index, None  # this micro-batch's, taken once
+        if host_index is None or host_index[0] != targets.shape:
+            with head_passes_hidden_states(self._chunked_head):
+                outputs = model(**forward)
+            return outputs, logits_of(outputs), None
+        del forward["logits_to_keep"]  # every position's hidden state, then the host-made index: no mask read back
         with head_passes_hidden_states(self._chunked_head):
             outputs = model(**forward)
-        return outputs, logits_of(outputs)
+        hidden = logits_of(outputs)
+        if hidden is None or hidden.shape[:-1] != targets.shape:
+            shape = None if hidden is None else tuple(hidden.shape)
+            raise ValueError(
+                f"{type(model).__name__} returned hidden states {shape} for targets {tuple(targets.shape)}"
+            )
+        return outputs, hidden.reshape(-1, hidden.shape[-1]).index_select(0, host_index[1]), host_index[1]
 
     def _forward_finding_head(self, model, forward: dict):
         """The first training forward feeds the LM head one row of the kept hidden states (so no [tokens × vocab]

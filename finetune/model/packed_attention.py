@@ -62,9 +62,14 @@ def row_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 def cumulative_bounds(cu_seq_lens: torch.Tensor, keys: torch.Tensor | None = None) -> list[list[tuple]] | None:
     """The one row's bounds from cu_seq_lens; None where the keys' cu_seq_lens differ (position_ids decide then)."""
-    if keys is not None and keys is not cu_seq_lens and not torch.equal(keys, cu_seq_lens):
-        return None
-    edges = cu_seq_lens.tolist()
+    if keys is not None and keys is not cu_seq_lens:
+        if keys.shape != cu_seq_lens.shape:
+            return None
+        edges, key_edges = torch.stack([cu_seq_lens, keys.to(cu_seq_lens)]).tolist()  # one host read for both
+        if edges != key_edges:
+            return None
+    else:
+        edges = cu_seq_lens.tolist()
     return [list(zip(edges[:-1], edges[1:]))]
 
 

@@ -45,6 +45,14 @@ def nonfinite_verdict(bad_grads: bool, bad_loss: bool, fp16: bool, on_nonfinite:
     return bad_loss or (bad_grads and not fp16), bad, bad and on_nonfinite == "stop" and not scaler_overflow
 
 
+def read_back(*values) -> list[float]:
+    """Python floats of numbers and device scalars, with one host read for all the tensors among them (each `float()`
+    of a device tensor waits for the device on its own)."""
+    tensors = [v.detach().reshape(()).float() for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else ())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 @dataclass(frozen=True)
 class StagingRoot:
     """The folder a checkpoint save writes checkpoint-N into (train.output_dir/.staging), handed to the Trainer's own
@@ -227,16 +235,17 @@ class RecipeTrainer(TokenNormTrainer):
         # The Trainer calls this once per optimizer step, after clipping and right before the update; the norm is the
         # global one (unscaled under fp16), so ranks agree on it. The loss flag is per rank: it joins one all-reduce.
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        norm = float(grad_norm) if grad_norm is not None else 0.0
+        norm = 0.0 if grad_norm is None else grad_norm
         if self.decides_before_backward():  # the loss and stop request were judged before the last backward
             self.verdict.take_window_finite()  # the next step's verdict is taken anew before its own backward
+            (norm,) = read_back(norm)
             if not math.isfinite(norm) and not self.verdict.nonfinite:  # a finite loss with non-finite gradients: fp16
                 self._judge(True, False, False, norm)  # DeepSpeed's loss scaler skipped it; bf16 DeepSpeed applied it
             return grad_norm
+        # the step's one host read: the norm and the window's finite flag together
+        norm, window_finite = read_back(norm, self.verdict.take_window_finite())
         stop = self.stop_request is not None and self.stop_request.requested
-        flags = torch.tensor(
-            [not math.isfinite(norm), not bool(self.verdict.take_window_finite()), stop], dtype=torch.int32
-        )
+        flags = torch.tensor([not math.isfinite(norm), not window_finite, stop], dtype=torch.int32)
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags.to(self.args.device), reduction="sum").cpu()
         bad_grads, bad_loss, stop = (bool(f) for f in flags.tolist())
