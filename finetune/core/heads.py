@@ -148,3 +148,24 @@ def returned_unchanged(returned: torch.Tensor | None, head_output: torch.Tensor)
     if cast is not None and head_output.grad_fn is not None:  # training: read the graph, no host sync
         return cast.name() == "ToCopyBackward0" and cast.next_functions[0][0] is head_output.grad_fn
     return torch.equal(returned, head_output.float())
+
+
+def forward_through_one_row(model: torch.nn.Module, forward: dict, head: torch.nn.Module):
+    """(outputs, every kept position's hidden state, or None where the model changed its logits after the head) of a
+    forward whose LM head sees one row of its input only (no [tokens × vocab] logits are made): the first training
+    forward shows whether the chunked loss may take the head's input in place of the model's logits."""
+    kept, seen = [], []
+
+    def one_row(module, args):  # keep every kept position's hidden state; the head sees the first row only
+        kept.append(args[0])
+        return (args[0].narrow(-2, 0, 1), *args[1:])
+
+    narrow = head.register_forward_pre_hook(one_row)
+    record = head.register_forward_hook(lambda m, args, output: seen.append(output))
+    try:
+        outputs = model(**forward)
+    finally:
+        narrow.remove()
+        record.remove()
+    unchanged = len(seen) == 1 and returned_unchanged(logits_of(outputs), seen[0])
+    return outputs, kept[0] if unchanged else None

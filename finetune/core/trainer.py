@@ -43,13 +43,11 @@ from transformers.utils import logging
 from finetune.core import token_mean
 from finetune.core.causal_forward import foreign_forward, own_forward
 from finetune.core.heads import (
+    forward_through_one_row,
     head_passes_hidden_states,
     logits_of,
-    loss_kind,
-    loss_type_of,
     plain_head,
     problem_type_of,
-    returned_unchanged,
 )
 from finetune.core.loss import (
     IGNORE_INDEX,
@@ -63,6 +61,12 @@ from finetune.core.loss import (
     row_cross_entropy_sums,
     sample_loss_sums,
     targets_of,
+)
+from finetune.core.loss_choice import (
+    choose_loss,
+    eval_loss_not_exact_line,
+    foreign_loss_line,
+    misaligned_logits_line,
 )
 from finetune.core.meter import (
     TIMING_KEYS,
@@ -140,41 +144,14 @@ class TokenNormTrainer(Trainer):
         self._matmul_params: int | None = None
 
     def _decide_loss_kind(self, model) -> str | None:
-        """The loss this trainer computes for `model` and these arguments, or None: then `Trainer`'s own loss (or a
-        base class's, e.g. TRL's `SFTTrainer` with `loss_type="dft"`), unchanged, with one warning."""
-        base = self._base_compute_loss()
-        kind = loss_kind(model)
-        configured = getattr(self.args, "loss_type", None)  # TRL's SFTConfig: the base selects its loss by it
-        if kind is None:
-            self._fall_back(
-                f"TokenNormTrainer: {type(model).__name__} has loss type {loss_type_of(model)!r}, not a loss this "
-                "trainer computes (causal LM, masked LM / token classification, sequence-to-sequence, sequence "
-                "classification / regression / multiple choice); it is trained and evaluated by "
-                "transformers.Trainer's own loss, unchanged. Set model.loss_type = 'ForCausalLM' (or 'ForMaskedLM') "
-                "if its logits are those of a language model."
-            )
-        elif configured not in (None, "nll"):
-            where = f"{base.__name__}.compute_loss" if base else "transformers.Trainer's own loss"
-            self._fall_back(
-                f"TokenNormTrainer: {type(self).__name__}'s arguments select loss_type={configured!r}, a loss this "
-                f"trainer does not compute; it is trained and evaluated by {where} under transformers.Trainer's "
-                "own rules, unchanged"
-            )
-            return None
-        elif base is not None:
-            logger.warning(
-                f"TokenNormTrainer: {type(self).__name__} trains the exact token-mean loss in place of "
-                f"{base.__name__}.compute_loss, which is not called: what that method logs (TRL's entropy, "
-                "mean_token_accuracy, num_tokens) is not logged"
-            )
-        return kind
-
-    def _base_compute_loss(self) -> type | None:
-        """The base class after TokenNormTrainer in the MRO whose compute_loss ours replaces (TRL's SFTTrainer in
-        `class MySFT(TokenNormTrainer, SFTTrainer)`), or None where that is Trainer's own."""
-        mro = type(self).__mro__
-        after = mro[mro.index(TokenNormTrainer) + 1 :]
-        return next((c for c in after if "compute_loss" in vars(c) and c is not Trainer), None)
+        """The loss this trainer computes for `model` and these arguments (finetune/core/loss_choice.py), or None:
+        then `Trainer`'s own loss (or a base class's), unchanged, with one warning."""
+        choice = choose_loss(type(self), TokenNormTrainer, model, self.args)
+        if choice.fallback is not None:
+            self._fall_back(choice.fallback)
+        if choice.note is not None:
+            logger.warning(choice.note)
+        return choice.kind
 
     def _fall_back(self, message: str) -> None:
         """Where exactness is impossible: one warning and `Trainer`'s own behaviour, or with require_exact an error."""
@@ -197,14 +174,7 @@ class TokenNormTrainer(Trainer):
             self._kept_index = None
         if self.verdict.end_micro_batch() and self.loss_kind is not None and not self._foreign_loss_said:
             self._foreign_loss_said = True
-            owner = next(c for c in type(self).__mro__ if "compute_loss" in vars(c))
-            self._fall_back(
-                f"TokenNormTrainer: {owner.__name__}.compute_loss returned a loss that TokenNormTrainer.compute_loss "
-                "did not compute (the window's exact token mean); it is trained by transformers.Trainer's own rule "
-                "for that loss, unchanged (divided by the accumulation steps unless the model takes "
-                "num_items_in_batch), and the empty-window veto is off. Call super().compute_loss(...) or pass "
-                "compute_loss_func= for the exact token mean"
-            )
+            self._fall_back(foreign_loss_line(type(self)))
         return loss
 
     def _host_kept_positions(self, inputs) -> tuple | None:
@@ -347,13 +317,9 @@ class TokenNormTrainer(Trainer):
         sequence and re-aligns the labels inside its forward) is trained and evaluated by Trainer's own loss from here
         on, as Trainer would train it: one warning (an error with require_exact)."""
         logits = logits_of(outputs)
-        shape = "no logits" if logits is None else f"logits of shape {tuple(logits.shape)}"
-        self._fall_back(
-            f"TokenNormTrainer: {type(self.accelerator.unwrap_model(model)).__name__} (loss kind {self.loss_kind}) "
-            f"returned {shape} where logits of shape {tuple(targets.shape)} + (classes,) line up with the labels "
-            "the collator made; it is trained and evaluated by transformers.Trainer's own loss from this micro-batch "
-            "on, unchanged (its own forward's loss), not the exact token mean"
-        )
+        name = type(self.accelerator.unwrap_model(model)).__name__
+        shape = None if logits is None else tuple(logits.shape)
+        self._fall_back(misaligned_logits_line(name, self.loss_kind, shape, tuple(targets.shape)))
         self.loss_kind = None  # every hook now takes Trainer's own path
 
     def _summed_rows(self, row_sums: torch.Tensor, row_counts: torch.Tensor, correct: torch.Tensor | None = None):
@@ -419,22 +385,10 @@ class TokenNormTrainer(Trainer):
         if head is None:
             self._chunked_head = False
             return model(**forward), None
-        kept, seen = [], []
-
-        def one_row(module, args):  # keep every kept position's hidden state; the head sees the first row only
-            kept.append(args[0])
-            return (args[0].narrow(-2, 0, 1), *args[1:])
-
-        narrow = head.register_forward_pre_hook(one_row)
-        record = head.register_forward_hook(lambda m, args, output: seen.append(output))
-        try:
-            outputs = model(**forward)
-        finally:
-            narrow.remove()
-            record.remove()
-        if len(seen) == 1 and returned_unchanged(logits_of(outputs), seen[0]):
+        outputs, hidden = forward_through_one_row(model, forward, head)
+        if hidden is not None:
             self._chunked_head = head
-            return outputs, kept[0]
+            return outputs, hidden
         self._chunked_head = False
         logger.warning(
             f"TokenNormTrainer: {type(model).__name__} changes its logits after the LM head; its own logits "
@@ -488,14 +442,7 @@ class TokenNormTrainer(Trainer):
             self._eval_sums = None
         deferred = self.loss_kind is None  # the model turned out to re-align its labels: said once, at the switch
         if not deferred and totals["rows"] == 0 and f"{metric_key_prefix}_loss" in output.metrics:
-            # The loss came from somewhere compute_loss never saw (a subclass's prediction_step that calls the model
-            # itself, as Seq2SeqTrainer's generating step does): said, not passed off as exact.
-            logger.warning_once(
-                f"TokenNormTrainer: {metric_key_prefix}_loss is {type(self).__name__}'s own per-batch mean, not the "
-                "exact token mean: its loss did not come from TokenNormTrainer.compute_loss (a prediction_step or a "
-                "base class's compute_loss of its own). Use finetune.TokenNormSeq2SeqTrainer for Seq2SeqTrainer "
-                "code, or compute the loss with self.compute_loss."
-            )
+            logger.warning_once(eval_loss_not_exact_line(metric_key_prefix, type(self).__name__))
         elif not deferred:  # every rank gathered every row: the same figures everywhere
             output.metrics.update(token_mean.eval_metrics(list(totals.values()), metric_key_prefix))
         return output
