@@ -72,7 +72,7 @@ def test_mixed_precision_training_is_exact_within_its_own_error(precision, tmp_p
     trainer, windows, snapshots = train_on_cuda(
         copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3, precision
     )
-    assert trainer._chunked_head is not False  # the head ran chunked under the accelerate-wrapped forward
+    assert trainer.chunked_head.head is not False  # the head ran chunked under the accelerate-wrapped forward
     for k, window in enumerate(windows):
         if torch.equal(snapshots[k]["lm_head.weight"], snapshots[k + 1]["lm_head.weight"]):
             continue  # an fp16 step skipped by the scaler (overflow at the initial scale): nothing applied

@@ -35,7 +35,7 @@ def test_bf16_training_makes_one_forward_per_micro_batch_and_never_full_logits(t
             TokenNormTrainer, model, ragged_rows(12, seed=8), tmp_path, 2, 3, bf16=True
         )
     assert trainer.accelerator.native_amp and trainer.accelerator.mixed_precision == "bf16"
-    assert trainer._chunked_head is trainer.model.lm_head
+    assert trainer.chunked_head.head is trainer.model.lm_head
     assert len(forwards) == 2 * 3  # two optimizer steps of three micro-batches, one forward each
     assert [s for s in head_outputs if s[-1] == vocab] == [(1, vocab)]  # the first forward's one-row probe only
     assert "changes its logits" not in caplog.text

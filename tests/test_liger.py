@@ -68,7 +68,7 @@ def test_lce_forward_is_replaced_by_the_causal_forward_and_liger_kernels_stay(li
     ran = dict(liger_llama)
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert model.forward.__func__ is causal_lm_forward and foreign_forward(model) is None
-    assert trainer._chunked_head is model.lm_head  # the chunked head takes the base model's hidden states
+    assert trainer.chunked_head.head is model.lm_head  # the chunked head takes the base model's hidden states
     layers, forwards = model.config.num_hidden_layers, 6  # 2 steps × 3 micro-batches, each one forward
     assert "lce_forward" not in ran
     assert ran["LigerSwiGLUMLP"] == layers * forwards and ran["liger_rotary_pos_emb"] == layers * forwards
@@ -86,6 +86,6 @@ def test_a_forward_that_cannot_be_replaced_trains_from_its_full_logits(liger_lla
     trainer, windows, snapshots = train_recording(
         TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3
     )
-    assert liger_llama["lce_forward"] >= 4 and trainer._keeps_logits is False
+    assert liger_llama["lce_forward"] >= 4 and trainer.chunked_head.keeps_logits is False
     for error, _ in step_errors(initial, windows, snapshots):
         assert error <= 1e-5

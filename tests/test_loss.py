@@ -77,7 +77,7 @@ def test_trainer_uses_the_chunked_head_and_stays_exact(tie, tmp_path):
     trainer, windows, snapshots = train_recording(
         TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3
     )
-    assert trainer._chunked_head is trainer.model.lm_head
+    assert trainer.chunked_head.head is trainer.model.lm_head
     for error, _ in step_errors(initial, windows, snapshots):
         assert error <= 1e-5
 
@@ -89,7 +89,7 @@ def test_a_model_that_changes_logits_after_the_head_gets_its_logits_used(tmp_pat
     trainer, windows, snapshots = train_recording(
         TokenNormTrainer, copy.deepcopy(initial), ragged_rows(12, seed=8), tmp_path, 2, 3
     )
-    assert trainer._chunked_head is False
+    assert trainer.chunked_head.head is False
 
     def scaled(model, seq):  # the reference sees the same scaled logits the model returns
         return model(input_ids=torch.as_tensor(seq["input_ids"]).unsqueeze(0)).logits

@@ -3,6 +3,7 @@ order, position ids restarting per row, attention within each row; `verify` on a
 input of packing (several images in a row, an image past data.max_length, a VLM that cannot pack) as one line."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -38,8 +39,9 @@ class CacheOnTrainer(TokenNormTrainer):
     """The trainer as it was before packed image rows were exact: a VLM's forward takes use_cache through **kwargs,
     so a KV cache stayed on and transformers ignored the restarting position_ids (the check below must see it)."""
 
-    def _forward_inputs(self, model, inputs):
-        return {**super()._forward_inputs(model, inputs), "use_cache": True}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forward_takes = dataclasses.replace(self.forward_takes, no_cache={"use_cache": True})
 
 
 TWO_IMAGES = {

@@ -1,11 +1,14 @@
-"""What the trainer needs to know about a model's loss and outputs: its loss kind (as transformers decides it), where
-its logits are in what it returned, and whether its LM head can be used on its own (the chunked loss)."""
+"""What the trainer needs to know about a model's loss, forward and outputs: its loss kind (as transformers decides
+it), what its forward takes, where its logits are in what it returned, and whether its LM head can be used on its
+own (the chunked loss)."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,6 +95,46 @@ def problem_type_of(model: torch.nn.Module, labels: torch.Tensor) -> str:
     if getattr(config, "num_labels", 2) == 1:
         return "regression"
     return "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+
+
+@dataclass(frozen=True)
+class ForwardTakes:
+    """What a model's forward takes that the trainer passes or withholds."""
+
+    labels_required: bool  # a forward that requires labels gets them; all others are spared a loss never used
+    no_cache: dict  # {"use_cache": False} where the forward reads a KV cache, else {}
+    logits_to_keep: bool  # logits only where a target is (transformers takes a [B, T] bool mask)
+
+    def inputs(self, model: torch.nn.Module, batch: Mapping, seq2seq: bool) -> dict:
+        """The forward's inputs from a batch: labels only where the forward requires them; a seq2seq model gets its
+        decoder inputs from the labels as it would make them itself."""
+        forward = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        if self.labels_required:
+            forward["labels"] = batch["labels"]
+        elif seq2seq and "decoder_input_ids" not in batch and "decoder_inputs_embeds" not in batch:
+            prepare = getattr(unwrap_peft_model(model), "prepare_decoder_input_ids_from_labels", None)
+            if prepare is not None:
+                forward["decoder_input_ids"] = prepare(labels=batch["labels"])
+            else:
+                forward["labels"] = batch["labels"]
+        return {**forward, **self.no_cache}
+
+
+def forward_takes(model: torch.nn.Module) -> ForwardTakes:
+    """What `model`'s forward takes. Training never reads a KV cache, and with one transformers does not derive the
+    block-diagonal mask of packed rows from their position_ids (attention would cross sequences); a VLM's forward
+    takes use_cache through **kwargs, where its config's use_cache says it reads one."""
+    forward = inspect.signature(model.forward).parameters
+    labels = forward.get("labels")
+    takes_cache = "use_cache" in forward or (
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward.values())
+        and getattr(getattr(model, "config", None), "use_cache", None) is not None
+    )
+    return ForwardTakes(
+        labels_required=labels is not None and labels.default is inspect.Parameter.empty,
+        no_cache={"use_cache": False} if takes_cache else {},
+        logits_to_keep="logits_to_keep" in forward,
+    )
 
 
 def logits_of(outputs: Any) -> torch.Tensor | None:

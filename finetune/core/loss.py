@@ -290,3 +290,15 @@ def head_cross_entropy_sum(
             kept_hidden, weight, bias, kept, chunk_rows, label_smoothing, compute_dtype
         )
     return total, torch.tensor(count)
+
+
+def scalar_loss_of_func(loss) -> torch.Tensor:
+    """A `compute_loss_func`'s return as a 0-d tensor: it must be one scalar (its sum over labelled positions ÷ the
+    num_items_in_batch it was given)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
+            f"÷ num_items_in_batch); it returned {shape}"
+        )
+    return loss.reshape(())

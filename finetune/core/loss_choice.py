@@ -1,11 +1,15 @@
 """Which loss `TokenNormTrainer` computes, and when it defers to `transformers.Trainer`'s own: the decisions and the
 one line each says.
 
-The rule: exact, or exactly `Trainer` with one warning that says so (an error with `require_exact=True`). Decided
-from the model as transformers decides (`model.loss_type` through `LOSS_MAPPING`: finetune/core/heads.py), from the
-arguments (TRL's `loss_type`), from the class (a base class's `compute_loss` that ours replaces), and during training
-from what the model and the subclass actually return. `StepVerdict` (finetune/core/step_verdict.py) keeps the
-per-step facts these decisions read; the trainer's hooks call both.
+The rule: exact, or exactly `Trainer` with one warning that says so (an error with `require_exact=True`). The loss
+kind is decided from the model as transformers decides it (`model.loss_type` through `LOSS_MAPPING`,
+finetune/core/heads.py `loss_kind`): causal LM (position t predicts labels[t + 1]), token-level without a shift
+(masked LM, token classification), sequence-to-sequence (decoder logits against decoder labels), or one loss per
+sample (sequence classification, regression, multiple choice). Any other model (CTC, detection, a plain `nn.Module`
+without a `loss_type`) is trained and evaluated by `Trainer`'s own code, unchanged; set
+`model.loss_type = "ForCausalLM"` on a plain module to opt in. Then the arguments (TRL's `loss_type`), the class (a
+base class's `compute_loss` that ours replaces), and during training what the model and the subclass actually
+return. `StepVerdict` (finetune/core/step_verdict.py) keeps the per-step facts; the trainer's hooks call both.
 
 Imports nothing of the package but `heads`.
 """

@@ -114,6 +114,13 @@ def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_param
     return 6.0 * matmul_params + 12.0 * layers * hidden * sequence_length
 
 
+def model_flops_utilisation(model: torch.nn.Module, logs: dict, matmul_params: int, peak_flops: float) -> float:
+    """MFU of a step's log line: the model FLOPs of its real tokens only (padding and skipped prompt logits count as
+    waste) per second over the job's peak FLOP/s."""
+    per_token = flops_per_token(model, logs["mean_sequence_tokens"], matmul_params)
+    return logs["real_tokens_per_s"] * per_token / peak_flops
+
+
 def compute_precision(bf16: bool, fp16: bool, model: torch.nn.Module) -> str:
     """The precision the matmuls run in: the autocast one if any, else the dtype that most weights are stored in
     (model.dtype=bfloat16 without autocast multiplies in bf16)."""

@@ -3,10 +3,13 @@ whether each micro-batch's loss was this project's window share (the exact token
 subclass's own `compute_loss`), from which the step is either exact or exactly `transformers.Trainer`'s, and whether
 its values were finite (the recipe trainer's verdict on non-finite losses and gradients, agreed by all ranks).
 
-Imports nothing of the package but `token_mean`; the trainer owns one `StepVerdict` and consults it from its hooks.
+Imports nothing of the package but `token_mean`; the trainer owns one `StepVerdict` and consults it from its hooks,
+and one `StepGate`, the hook through which its optimizer steps consult `updates_weights()`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -68,3 +71,29 @@ class StepVerdict:
         if self.nonfinite:
             return False
         return not self.exact() or token_mean.updates_weights(self.window_label_tokens)
+
+
+class StepGate:
+    """The veto on an optimizer step: a step pre-hook on the torch optimizer inside whatever wraps it (accelerate's
+    wrapper, a subclass's own optimizer, the constructor's optimizers=), hooked once; a step that `updates_weights()`
+    refuses finds no gradient, and every torch optimizer leaves such parameters (and their state) alone."""
+
+    def __init__(self, updates_weights: Callable[[], bool], vetoed: Callable[[], None]):
+        self._updates_weights = updates_weights
+        self._vetoed = vetoed  # says why, where the step's owner has something to say
+        self._gated: torch.optim.Optimizer | None = None
+
+    def hook_onto(self, optimizer) -> None:
+        inner = optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if isinstance(inner, torch.optim.Optimizer) and inner is not self._gated:
+            inner.register_step_pre_hook(self._before_step)
+            self._gated = inner
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self._updates_weights():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+            self._vetoed()

@@ -23,16 +23,12 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   history; tokens/s, samples/s, peak memory and MFU go to every `on_log` callback (console, W&B), not to
   `trainer_state.json`, whose log history a resumed run reproduces exactly.
 
-Which loss applies is decided from the model, as transformers decides (`model.loss_type` through `LOSS_MAPPING`):
-causal LM (position t predicts labels[t + 1]), token-level without a shift (masked LM, token classification), or
-sequence-to-sequence (decoder logits against decoder labels). Any other model (sequence classification,
-regression, CTC, detection, a plain `nn.Module` without a `loss_type`) is trained and evaluated by `Trainer`'s own
-code, unchanged, with one warning. Set `model.loss_type = "ForCausalLM"` on a plain module to opt in.
+Which loss applies, and when `Trainer`'s own rule takes over, is decided in finetune/core/loss_choice.py; the LM
+head run chunk by chunk on the kept hidden states lives in finetune/core/chunked_head.py.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 
 import torch
@@ -42,9 +38,9 @@ from transformers.utils import logging
 
 from finetune.core import token_mean
 from finetune.core.causal_forward import foreign_forward, own_forward
+from finetune.core.chunked_head import ChunkedHead
 from finetune.core.heads import (
-    forward_through_one_row,
-    head_passes_hidden_states,
+    forward_takes,
     logits_of,
     plain_head,
     problem_type_of,
@@ -54,12 +50,11 @@ from finetune.core.loss import (
     SAMPLE,
     SEQ2SEQ,
     cross_entropy_sum,
-    head_cross_entropy_sum,
     kept_cross_entropy_sum,
-    kept_positions,
     row_correct_counts,
     row_cross_entropy_sums,
     sample_loss_sums,
+    scalar_loss_of_func,
     targets_of,
 )
 from finetune.core.loss_choice import (
@@ -73,11 +68,11 @@ from finetune.core.meter import (
     WindowMeter,
     compute_precision,
     device_peak_flops,
-    flops_per_token,
     matmul_parameters,
+    model_flops_utilisation,
     window_counts,
 )
-from finetune.core.step_verdict import StepVerdict
+from finetune.core.step_verdict import StepGate, StepVerdict
 
 logger = logging.get_logger(__name__)
 
@@ -104,40 +99,21 @@ class TokenNormTrainer(Trainer):
         replaced = own_forward(unwrap_peft_model(unwrapped)) if self.loss_kind is not None else None
         if replaced is not None:
             logger.warning(f"TokenNormTrainer: {replaced}")
-        forward = inspect.signature(unwrapped.forward).parameters
-        labels_param = forward.get("labels")
-        # A model whose forward requires labels gets them; all others are spared computing a loss we never use.
-        self._forward_needs_labels = labels_param is not None and labels_param.default is inspect.Parameter.empty
-        # Training never reads a KV cache, and with one transformers does not derive the block-diagonal mask of
-        # packed rows from their position_ids (attention would cross sequences).
-        # A VLM's forward takes use_cache through **kwargs: its config's use_cache says it reads one.
-        takes_cache = "use_cache" in forward or (
-            any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward.values())
-            and getattr(getattr(unwrapped, "config", None), "use_cache", None) is not None
-        )
-        self._no_cache = {"use_cache": False} if takes_cache else {}
+        self.forward_takes = forward_takes(unwrapped)  # labels, a KV cache, logits_to_keep
         # Logits only where a target is: prompt and padding positions never reach the LM head (most of the FLOPs and
-        # memory of a small model with a large vocabulary). transformers takes a [B, T] bool mask here.
-        self._keeps_logits = "logits_to_keep" in forward and foreign_forward(unwrap_peft_model(unwrapped)) is None
-        # With kept positions, the LM head and cross-entropy run chunk by chunk on hidden states ([N, vocab] logits
-        # never exist whole) once the first training forward has shown that the model returns the head's output
-        # unchanged. None: not known yet; False: use the model's logits.
-        self._chunked_head: torch.nn.Linear | None | bool = None if self._keeps_logits else False
+        # memory of a small model with a large vocabulary); not through a forward another library put in place.
+        keeps_logits = self.forward_takes.logits_to_keep and foreign_forward(unwrap_peft_model(unwrapped)) is None
+        # With kept positions, the LM head and cross-entropy run chunk by chunk on hidden states once the first
+        # training forward has shown that the model allows it (finetune/core/chunked_head.py); under mixed precision
+        # its GEMMs take the autocast dtype, as the model's own head would.
+        head_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+        self.chunked_head = ChunkedHead(keeps_logits, head_dtype if self.accelerator.native_amp else None)
         self.verdict = StepVerdict()  # what decides each optimizer step (finetune/core/step_verdict.py)
         self._foreign_loss_said = False
-        # Under mixed precision the chunked head's GEMMs take the autocast dtype, as the model's own head would (the
-        # loss runs outside the forward, where autocast is not active).
-        self._head_dtype = (
-            {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
-            if self.accelerator.native_amp
-            else None
-        )
         # token_mean.EVAL_COLUMNS summed over the set while an evaluation loop runs (see evaluating())
         self._eval_sums: torch.Tensor | None = None
-        self._gated_optimizer = None
-        # (targets' shape, flat kept positions on the device) of the micro-batch training_step is running, made from
-        # its host labels: the chunked head takes its hidden states by this index (see _host_kept_positions)
-        self._kept_index: tuple | None = None
+        # every optimizer step consults updates_weights() (finetune/core/step_verdict.py)
+        self.step_gate = StepGate(self.updates_weights, self._say_why_not_updated)
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
         self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
@@ -167,30 +143,23 @@ class TokenNormTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.verdict.begin_micro_batch()
-        self._kept_index = self._host_kept_positions(inputs)
+        self.chunked_head.hold_positions(*self._host_targets(inputs), self._prepare_input)
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self._kept_index = None
+            self.chunked_head.hold_positions(None, False, self._prepare_input)
         if self.verdict.end_micro_batch() and self.loss_kind is not None and not self._foreign_loss_said:
             self._foreign_loss_said = True
             self._fall_back(foreign_loss_line(type(self)))
         return loss
 
-    def _host_kept_positions(self, inputs) -> tuple | None:
-        """(targets' shape, their flat kept positions copied to the device) from a micro-batch still on the host, once
-        the chunked head is in use: the hidden states are then taken by this integer index, where a boolean mask on
-        the device would read its count back to the host in the forward and again in the backward."""
+    def _host_targets(self, inputs) -> tuple[torch.Tensor | None, bool]:
+        """(a micro-batch's targets where its labels are still on the host and the loss is ours, else None; whether
+        its labels are pinned)."""
         labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
-        if not isinstance(self._chunked_head, torch.nn.Module) or self.compute_loss_func is not None:
-            return None
-        if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or self.loss_kind is None:
-            return None
-        targets = targets_of(inputs, self.loss_kind)
-        index = kept_positions(targets)
-        if labels.is_pinned():  # copied without blocking, as the batch is (_prepare_input)
-            index = index.pin_memory()
-        return targets.shape, self._prepare_input(index)
+        if not isinstance(labels, torch.Tensor) or self.loss_kind is None or self.compute_loss_func is not None:
+            return None, False
+        return targets_of(inputs, self.loss_kind), labels.is_pinned()
 
     def _data_parallel_size(self) -> int:
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
@@ -228,7 +197,7 @@ class TokenNormTrainer(Trainer):
             except StopIteration:
                 break
         if not self.is_deepspeed_enabled:  # whatever built it: an override, the constructor's optimizers=
-            self._gate(self.optimizer)
+            self.step_gate.hook_onto(self.optimizer)
         if not batch_samples or not all(isinstance(b, Mapping) and "labels" in b for b in batch_samples):
             self.verdict.open_window(None)
             return batch_samples, self._get_num_items_in_batch(batch_samples, device)
@@ -250,7 +219,7 @@ class TokenNormTrainer(Trainer):
         targets = targets_of(inputs, self.loss_kind)
         if self.compute_loss_func is not None:
             return self._loss_of_func(model, inputs, targets, return_outputs, num_items_in_batch)
-        keep_logits = self._keeps_logits and not return_outputs
+        keep_logits = self.chunked_head.keeps_logits and not return_outputs
         outputs, loss_sum, label_tokens = self._summed_loss(model, inputs, targets, keep_logits)
         if loss_sum is None:  # its logits do not line up with the collator's labels: Trainer's own loss from now on
             self._defer_to_trainer(model, outputs, targets)
@@ -271,13 +240,7 @@ class TokenNormTrainer(Trainer):
         loss = self.compute_loss_func(
             outputs, inputs["labels"], num_items_in_batch=label_tokens if per_batch else num_items_in_batch
         )
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"compute_loss_func must return a scalar loss tensor (the sum over labelled positions "
-                f"÷ num_items_in_batch); it returned {shape}"
-            )
-        loss = loss.reshape(())
+        loss = scalar_loss_of_func(loss)
         if self.evaluating():
             self._add_eval(self.accelerator.gather(token_mean.eval_rows(loss.double() * label_tokens, label_tokens)))
         elif not per_batch:
@@ -294,10 +257,7 @@ class TokenNormTrainer(Trainer):
         kept = keep_logits and logits is not None and logits.dim() == 2
         full = logits is not None and logits.shape[:-1] == targets.shape
         if hidden is not None:
-            head = self._chunked_head
-            loss_sum, count = head_cross_entropy_sum(
-                hidden, head.weight, head.bias, targets, smoothing, self._head_dtype, index
-            )
+            loss_sum, count = self.chunked_head.loss_sum(hidden, targets, smoothing, index)
         elif self.loss_kind == SAMPLE and logits is not None and logits.shape[0] == targets.shape[0]:
             problem = problem_type_of(self.accelerator.unwrap_model(model), targets)
             loss_sum, count = self._summed_rows(*sample_loss_sums(logits, targets, problem, smoothing))
@@ -330,71 +290,23 @@ class TokenNormTrainer(Trainer):
             self._add_eval(self.accelerator.gather_for_metrics(token_mean.eval_rows(row_sums, row_counts, correct)))
         return row_sums.sum(), row_counts.sum()
 
-    def _forward_inputs(self, model, inputs: Mapping) -> dict:
-        """The model's inputs: labels only where the forward requires them; a seq2seq model gets its decoder inputs
-        from the labels as it would make them itself."""
-        forward = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        if self._forward_needs_labels:
-            forward["labels"] = inputs["labels"]
-        elif self.loss_kind == SEQ2SEQ and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            prepare = getattr(
-                unwrap_peft_model(self.accelerator.unwrap_model(model)), "prepare_decoder_input_ids_from_labels", None
-            )
-            if prepare is not None:
-                forward["decoder_input_ids"] = prepare(labels=inputs["labels"])
-            else:
-                forward["labels"] = inputs["labels"]
-        return {**forward, **self._no_cache}
-
     def _forward(self, model, inputs: Mapping, targets: torch.Tensor, keep_logits: bool):
         """(model outputs, the kept positions' hidden states where the chunked head computes the loss, else None, the
         flat positions they were taken from where known on the host, else None). One forward per micro-batch."""
-        forward = self._forward_inputs(model, inputs)
+        forward = self.forward_takes.inputs(self.accelerator.unwrap_model(model), inputs, self.loss_kind == SEQ2SEQ)
         if not keep_logits:
             return model(**forward), None, None
-        forward["logits_to_keep"] = keep = targets != IGNORE_INDEX
-        if not torch.is_grad_enabled() or self._chunked_head is False:
+        forward["logits_to_keep"] = targets != IGNORE_INDEX
+        if not torch.is_grad_enabled() or self.chunked_head.head is False:
             return model(**forward), None, None
-        if self._chunked_head is None:
-            return (*self._forward_finding_head(model, forward), None) if keep.any() else (model(**forward), None, None)
-        host_index, self._kept_index = self._kept_index, None  # this micro-batch's, taken once
-        if host_index is None or host_index[0] != targets.shape:
-            with head_passes_hidden_states(self._chunked_head):
-                outputs = model(**forward)
-            return outputs, logits_of(outputs), None
-        del forward["logits_to_keep"]  # every position's hidden state, then the host-made index: no mask read back
-        with head_passes_hidden_states(self._chunked_head):
-            outputs = model(**forward)
-        hidden = logits_of(outputs)
-        if hidden is None or hidden.shape[:-1] != targets.shape:
-            shape = None if hidden is None else tuple(hidden.shape)
-            raise ValueError(
-                f"{type(model).__name__} returned hidden states {shape} for targets {tuple(targets.shape)}"
-            )
-        return outputs, hidden.reshape(-1, hidden.shape[-1]).index_select(0, host_index[1]), host_index[1]
+        return self.chunked_head.forward(model, forward, targets, lambda: self._head_for_chunks(model))
 
-    def _forward_finding_head(self, model, forward: dict):
-        """The first training forward feeds the LM head one row of the kept hidden states (so no [tokens × vocab]
-        logits are made) and keeps all of them for the chunked loss, if the model returns the head's output
-        unchanged. A model that changes it after the head makes this micro-batch's forward run again, once."""
-        # The chunked loss uses the head's weight outside the model's forward: FSDP has resharded it by then, and DDP
-        # searching for unused parameters would count it unused and then see its gradient arrive (ready twice).
-        head = None
-        if not self.is_fsdp_enabled and not getattr(model, "find_unused_parameters", False):
-            head = plain_head(unwrap_peft_model(self.accelerator.unwrap_model(model)))
-        if head is None:
-            self._chunked_head = False
-            return model(**forward), None
-        outputs, hidden = forward_through_one_row(model, forward, head)
-        if hidden is not None:
-            self._chunked_head = head
-            return outputs, hidden
-        self._chunked_head = False
-        logger.warning(
-            f"TokenNormTrainer: {type(model).__name__} changes its logits after the LM head; its own logits "
-            "are used (this first micro-batch ran its forward twice)"
-        )
-        return model(**forward), None
+    def _head_for_chunks(self, model) -> torch.nn.Linear | None:
+        """The LM head the chunked loss may use outside the model's forward: not under FSDP (resharded by then), nor
+        under DDP searching for unused parameters (it would count the head unused, then see its gradient arrive)."""
+        if self.is_fsdp_enabled or getattr(model, "find_unused_parameters", False):
+            return None
+        return plain_head(unwrap_peft_model(self.accelerator.unwrap_model(model)))
 
     # ---- evaluation: the token mean of the whole set ----
 
@@ -454,32 +366,17 @@ class TokenNormTrainer(Trainer):
         gradient would still move AdamW's moments and decay the weights). Subclasses add their reasons (and super)."""
         return self.verdict.updates_weights()
 
-    def _gate_step(self, optimizer, args, kwargs):
-        # torch's step pre-hook: parameters without a gradient are left alone by every torch optimizer
-        if not self.updates_weights():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
-            if self.verdict.window_label_tokens == 0:
-                logger.warning(
-                    f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on "
-                    "any rank; the weights and the optimizer state are not updated for this step"
-                )
-
-    def _gate(self, optimizer) -> None:
-        """Hooks the step gate onto the torch optimizer inside `optimizer` (accelerate's wrapper, a subclass's own
-        optimizer, the constructor's optimizers=), once: every optimizer step then consults updates_weights()."""
-        inner = optimizer
-        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-            inner = inner.optimizer
-        if isinstance(inner, torch.optim.Optimizer) and inner is not self._gated_optimizer:
-            inner.register_step_pre_hook(self._gate_step)
-            self._gated_optimizer = inner
+    def _say_why_not_updated(self) -> None:
+        if self.verdict.window_label_tokens == 0:
+            logger.warning(
+                f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on "
+                "any rank; the weights and the optimizer state are not updated for this step"
+            )
 
     def create_optimizer(self, model=None):
         # Under DeepSpeed the engine wraps this optimizer (and steps it inside the last backward): gated here, before.
         optimizer = super().create_optimizer(model)
-        self._gate(optimizer)
+        self.step_gate.hook_onto(optimizer)
         return optimizer
 
     # ---- logging ----
@@ -489,13 +386,11 @@ class TokenNormTrainer(Trainer):
         if self.loss_kind is not None and "loss" in logs and "grad_norm" in logs:  # an optimizer-step line
             logs.update(self.meter.drain())
             if self.peak_flops and logs.get("real_tokens_per_s"):
-                # model FLOPs of the real tokens only: padding and skipped prompt logits count as waste
                 model = self.accelerator.unwrap_model(self.model)
                 if self._matmul_params is None:
                     self._matmul_params = matmul_parameters(model)
-                per_token = flops_per_token(model, logs["mean_sequence_tokens"], self._matmul_params)
                 job_peak = self.peak_flops * self.accelerator.num_processes  # the token rate is the whole job's
-                logs["mfu"] = logs["real_tokens_per_s"] * per_token / job_peak
+                logs["mfu"] = model_flops_utilisation(model, logs, self._matmul_params, job_peak)
             if self.args.max_grad_norm > 0 and logs["grad_norm"] is not None:
                 logs["clip_factor"] = min(1.0, self.args.max_grad_norm / (logs["grad_norm"] + 1e-6))
             timing = [key for key in TIMING_KEYS if key in logs]
