@@ -135,11 +135,12 @@ def preset(peers: str, cuda: bool) -> list[str]:
 
 
 def arm_set(arms: str | None, peers: str, cuda: bool) -> tuple[list[Arm], dict[str, str]]:
-    """(the arms to run, {arm: why it is skipped}). ValueError for an unknown name or a set hand_loop cannot replay."""
+    """(every arm asked for, in order; {arm: why it cannot run here}). ValueError for an unknown name or a set whose
+    hand_loop has no hf_padded to replay."""
     names = arms.split(",") if arms else preset(peers, cuda)
     chosen = [parse(n) for n in dict.fromkeys(names)]
     skipped = {a.name: why for a in chosen if (why := unavailable(a, cuda)) is not None}
-    runnable = [a for a in chosen if a.name not in skipped]
-    if any(a.base == "hand_loop" for a in runnable) and "hf_padded" not in [a.name for a in runnable]:
+    runnable = [a.name for a in chosen if a.name not in skipped]
+    if "hand_loop" in runnable and "hf_padded" not in runnable:
         raise ValueError("hand_loop replays hf_padded's micro-batches: include hf_padded")
-    return runnable, skipped
+    return chosen, skipped

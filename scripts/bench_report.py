@@ -32,6 +32,7 @@ def summarize(runs: list[dict]) -> dict:
         "timed_computed_tokens": sum(r["computed_tokens"] for r in runs),
         "matmul_params": runs[0]["matmul_params"],
         "pids": [r["pid"] for r in runs],
+        "weights_dtype": runs[0]["weights_dtype"],
     }
 
 

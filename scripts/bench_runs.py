@@ -17,10 +17,15 @@ def run(bench: Bench, arm: Arm, accumulation: int | None = None, steps: int | No
     if arm.family == "ours":
         return run_ours(bench, arm, accumulation or bench.accumulation, steps or bench.steps, cuda)
     if arm.family == "hand":
-        return run_hand_loop(bench, cuda), {}
+        return run_hand_loop(bench, cuda)
     if arm.family == "trl":
-        return run_trl(bench, arm, cuda), {}
-    return run_trainer(bench, arm, cuda), {}
+        return run_trl(bench, arm, cuda)
+    return run_trainer(bench, arm, cuda)
+
+
+def weights_dtype(model) -> dict:
+    """What the arm trained: the dtype of its weights, as built (a check on `+bf16w`)."""
+    return {"weights_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
 
 def run_ours(bench: Bench, arm: Arm, accumulation: int, steps: int, cuda: bool) -> tuple[Clock, dict]:
@@ -47,10 +52,12 @@ def run_ours(bench: Bench, arm: Arm, accumulation: int, steps: int, cuda: bool) 
     trainer.train()
     # what accumulating must keep between micro-batches: one gradient per trainable parameter
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-    return clock, {"gradient_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20}
+    return clock, {"gradient_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20} | weights_dtype(
+        trainer.model
+    )
 
 
-def run_trainer(bench: Bench, arm: Arm, cuda: bool) -> Clock:
+def run_trainer(bench: Bench, arm: Arm, cuda: bool) -> tuple[Clock, dict]:
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainingArguments
 
     if arm.base == "hf_padded":
@@ -68,10 +75,10 @@ def run_trainer(bench: Bench, arm: Arm, cuda: bool) -> Clock:
     trainer.train()
     if recording:
         torch.save(collator.batches, bench.hand_batches_path)
-    return clock
+    return clock, weights_dtype(model)
 
 
-def run_trl(bench: Bench, arm: Arm, cuda: bool) -> Clock:
+def run_trl(bench: Bench, arm: Arm, cuda: bool) -> tuple[Clock, dict]:
     """TRL's SFTTrainer with its default loss on our tokenized rows (its own labels column: the same loss mask)."""
     from trl import SFTConfig, SFTTrainer
 
@@ -87,10 +94,10 @@ def run_trl(bench: Bench, arm: Arm, cuda: bool) -> Clock:
     clock = Clock(cuda)
     clock.attach(trainer)
     trainer.train()
-    return clock
+    return clock, weights_dtype(trainer.model)
 
 
-def run_hand_loop(bench: Bench, cuda: bool) -> Clock:
+def run_hand_loop(bench: Bench, cuda: bool) -> tuple[Clock, dict]:
     """Plain PyTorch over exactly the micro-batches hf_padded's process trained on (its file)."""
     import torch.nn.functional as F
 
@@ -126,4 +133,4 @@ def run_hand_loop(bench: Bench, cuda: bool) -> Clock:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         clock.mark()
-    return clock
+    return clock, weights_dtype(model)

@@ -126,9 +126,10 @@ def checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
     if args.model_folder and args.model == "smollm2":
         parser.error("--model smollm2 trains SmolLM2's weights: --model-folder has its config only; leave it out")
     try:
-        args.arms, args.skipped = arm_set(args.arms, args.peers, args.device == "cuda")
+        chosen, args.skipped = arm_set(args.arms, args.peers, args.device == "cuda")
     except ValueError as e:
         parser.error(str(e))
+    args.order, args.arms = [a.name for a in chosen], [a for a in chosen if a.name not in args.skipped]
     return args
 
 
@@ -223,7 +224,7 @@ def measure(bench: Bench, started: float) -> dict:
         results["packed"]["peak_mem_mb_accumulation_1"] = with_one["peak_mem_mb"]
         results["packed"]["gradient_mb"] = runs["packed"][0]["gradient_mb"]
     skipped = {**args.skipped, **failed, **({"hand_loop": "hf_padded failed"} if "hf_padded" in failed else {})}
-    ordered = [n for n in dict.fromkeys([*names, *args.skipped]) if n in results or n in skipped]
+    ordered = [n for n in args.order if n in results or n in skipped]
     return {
         n: {**(results[n] if n in results else {"skipped": skipped[n]}), **parse(n).configuration()} for n in ordered
     }
