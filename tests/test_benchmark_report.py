@@ -2,11 +2,10 @@
 it, the targets, and "not measured" where an arm did not run. No training here (tests/test_benchmark.py runs it)."""
 
 import importlib
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_benchmark import LIGER_WHY, ROOT
 
 
 @pytest.fixture
@@ -117,10 +116,28 @@ def test_the_tuned_set_on_a_cpu_runs_the_nearest_variants_and_lists_the_rest(scr
         "trl_packing",
         "trl_packing+bf16w",
     ]
-    assert skipped["packed_after_liger"] == "Liger's Triton kernels need a CUDA device"
+    assert skipped["packed_after_liger"] == LIGER_WHY
     assert skipped["trl_packing+flex+liger+bf16w"] == "flex_attention: torch's FlexAttention has no backward on a CPU"
     assert set(skipped) == {"packed_after_liger"} | {
         f"{base}{suffix}" for base in arms.PEERS for suffix in arms.TUNED_PEERS
     }
     with pytest.raises(ValueError, match="include hf_padded"):
         arms.arm_set("hand_loop,packed", "shipped", cuda=False)
+
+
+def test_the_gpu_report_lists_each_arm_with_its_configuration_and_the_skipped_with_why(scripts):
+    arms, report = scripts
+    results = synthetic()
+    for r in results.values():
+        r["mfu"] = None
+    report.add_ratios(results)
+    for arm, r in results.items():
+        r |= arms.parse(arm).configuration()
+    step = {"name": "benchmark_0.5b", "figures": results, "command": "python scripts/benchmark.py --peers tuned"}
+    lines = importlib.import_module("gpu_report")._benchmark(step)
+    row = next(line for line in lines if line.startswith("| trl_packing+flex+liger |"))
+    figures = "| 2500 | n/a | 900 | 1.00 | 1.00 | 2.50 | 1.00 | 1.000 | flex_attention; Liger; float32 |"
+    assert row == "| trl_packing+flex+liger " + figures
+    assert "- `packed_after_liger` skipped: Liger's Triton kernels need a CUDA device" in lines
+    assert "- `trl_packing+flex+liger+bf16w` skipped: failed in its process (exit 1): RuntimeError: boom" in lines
+    assert "ratios over the fastest peer (trl_packing+flex+liger)" in lines[2]
