@@ -121,13 +121,14 @@ def fallback(name: str, cuda: bool) -> str:
 
 
 def preset(peers: str, cuda: bool) -> list[str]:
-    """The arm names of `--peers shipped|tuned|all` (unavailable ones included: the caller reports them skipped)."""
-    tuned_peers = [base + suffix for base in PEERS for suffix in TUNED_PEERS]
-    ours = ["token_budget", "packed", "packed+bf16w", AFTER_LIGER]
+    """The arm names of `--peers shipped|tuned|all` (unavailable ones included: the caller reports them skipped). The
+    tuned set runs the headline arms first (a run cut short by --time-limit keeps them)."""
+    tuned_peers = [base + suffix for base in reversed(PEERS) for suffix in TUNED_PEERS]
+    ours = ["packed", AFTER_LIGER, "packed+bf16w", "token_budget"]
     if peers == "shipped":
         return list(SHIPPED)
     if peers == "tuned":  # what cannot run here is listed, and its nearest runnable variant runs instead
-        names = ours + tuned_peers + [fallback(n, cuda) for n in tuned_peers]
+        names = ours[:2] + [n for t in tuned_peers for n in (t, fallback(t, cuda))] + ours[2:]
         return list(dict.fromkeys(names))
     every = [base + a + liger + w for base in PEERS for a in ("", "+flex", "+flash") for liger in ("", "+liger")
              for w in ("", "+bf16w")]  # fmt: skip

@@ -103,6 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "of the machine's CPU beyond the cores --threads leaves free, during its timed steps (default 0.1)",
     )
     add("--retries", type=int, help="re-runs per arm at most (default 2; --quick 0, to stay quick)")
+    add("--time-limit", type=float, help="start no arm after this many seconds: the rest are listed as not run")
     add("--json", help="write {arm: {real_tokens_per_s, real_token_share, peak_mem_mb, …}} here")
     for hidden in ("--run-arm", "--arm-out", "--scratch"):  # one arm in this process (the parent's child)
         add(hidden, help=argparse.SUPPRESS)
@@ -202,6 +203,21 @@ def order_of(names: list[str], round_index: int, hand_batches: Path) -> list[str
     return order
 
 
+def over_time(args: argparse.Namespace, started: float) -> bool:
+    return bool(args.time_limit) and time.perf_counter() - started > args.time_limit
+
+
+def accumulation_1(args: argparse.Namespace, scratch: str, started: float) -> dict:
+    """The packed micro-batches alone, for the accumulation memory target ({} where it could not run)."""
+    if over_time(args, started):
+        return {}
+    try:
+        return {"peak_mem_mb_accumulation_1": in_child(args, "packed", scratch, accumulation=1)["peak_mem_mb"]}
+    except ArmFailed as e:
+        print(f"  packed, accumulation 1: {e}", flush=True)
+        return {}
+
+
 def measure(bench: Bench, started: float) -> dict:
     """Every arm, round by round (rotated order), each in its own process, then the packed micro-batches alone:
     {arm: summary, or {"skipped": why}}."""
@@ -213,6 +229,9 @@ def measure(bench: Bench, started: float) -> dict:
         for name in order_of(names, round_index, bench.hand_batches_path):
             if name in failed or (name == "hand_loop" and "hf_padded" in failed):
                 continue
+            if over_time(args, started):  # what ran in an earlier round counts
+                failed |= {} if runs[name] else {name: f"not run: --time-limit {args.time_limit:.0f} s reached"}
+                continue
             try:
                 runs[name].append(run_arm(args, name, f"round {round_index + 1}", bench.scratch, started))
             except ArmFailed as e:
@@ -220,9 +239,8 @@ def measure(bench: Bench, started: float) -> dict:
                 print(f"  round {round_index + 1} {name}: {e}", flush=True)
     results = {name: summarize(r) for name, r in runs.items() if name not in failed and r}
     if "packed" in results:
-        with_one = in_child(args, "packed", bench.scratch, accumulation=1)
-        results["packed"]["peak_mem_mb_accumulation_1"] = with_one["peak_mem_mb"]
         results["packed"]["gradient_mb"] = runs["packed"][0]["gradient_mb"]
+        results["packed"] |= accumulation_1(args, bench.scratch, started)
     skipped = {**args.skipped, **failed, **({"hand_loop": "hf_padded failed"} if "hf_padded" in failed else {})}
     ordered = [n for n in args.order if n in results or n in skipped]
     return {

@@ -121,6 +121,19 @@ def test_tuned_variants_run_or_say_why_not(tmp_path):
 
 
 @pytest.mark.subprocess
+def test_no_arm_starts_after_the_time_limit_and_the_report_says_so(tmp_path):
+    result, results = benchmark(tmp_path, "--arms", "hf_flatten,packed", "--time-limit", "0.001")
+    why = "not run: --time-limit 0 s reached"
+    flatten = {"attention": "sdpa", "batching": "padding-free rows (DataCollatorWithFlattening)"}
+    packed = {"attention": "recipe (sdpa, per-sequence on packed rows)", "batching": "ours: data.batching=packed"}
+    assert results == {
+        "hf_flatten": {"skipped": why, "liger": False, "weights": "float32", **flatten},
+        "packed": {"skipped": why, "liger": False, "weights": "float32", **packed},
+    }
+    assert "n/a   packed ≥ 1.5× best peer (None) real tokens/s: not measured" in result.stdout
+
+
+@pytest.mark.subprocess
 def test_fp16_on_a_cpu_is_refused_in_one_line():
     cmd = [sys.executable, "scripts/benchmark.py", "--device", "cpu", "--precision", "fp16", "--quick"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
