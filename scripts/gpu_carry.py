@@ -6,7 +6,8 @@
 DIR gets (each folder written whole or not at all):
 - wheels/: what the GPU image lacks or has too old, at the versions installed here (what CI tests), for the image's
   Python (--python, 3.12; manylinux x86_64): transformers, datasets (+ dill, multiprocess, fsspec), omegaconf, gguf,
-  peft, trl (the benchmark's SFTTrainer arms); with --deepspeed also DeepSpeed (a pure-Python wheel built from its
+  peft, trl (the benchmark's SFTTrainer arms), liger-kernel (the benchmark's `+liger` and packed_after_liger arms; its
+  Triton comes with the image's torch); with --deepspeed also DeepSpeed (a pure-Python wheel built from its
   sdist: ops compile on first use) and what it needs beyond the image (pydantic, hjson). Not carried: what the image
   has at versions these accept (torch, accelerate, huggingface_hub >= 1.31, tokenizers 0.23, safetensors, pyarrow,
   pandas, xxhash), and wandb (the GPU check runs with log.wandb_mode=disabled);
@@ -30,6 +31,7 @@ from pathlib import Path
 
 WHEELS = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "omegaconf", "gguf")
 WHEELS += ("peft", "trl")
+LIGER = ("liger-kernel",)  # where it is not installed here, PyPI's newest (the benchmark's arms, not the project's)
 DEEPSPEED_NEEDS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -83,6 +85,7 @@ def write_whole(target: Path, fill) -> None:
 
 def wheels(folder: Path, python: str, deepspeed: bool) -> None:
     pip("download", "--quiet", "--no-deps", *target(python), "-d", str(folder), *pinned(WHEELS))
+    pip("download", "--quiet", "--no-deps", *target(python), "-d", str(folder), *map(requirement, LIGER))
     if deepspeed:
         needs = [requirement(n) for n in DEEPSPEED_NEEDS]
         pip("download", "--quiet", "--no-deps", *target(python), "-d", str(folder), *needs)

@@ -88,32 +88,47 @@ def _benchmark(s: dict) -> list[str]:
     f = s["figures"]
     if not f:
         return []
+    ran = {arm: r for arm, r in f.items() if "skipped" not in r}
     rows = [
         [
             arm,
             f"{r['real_tokens_per_s']:.0f}",
             _fmt(r.get("mfu"), ".1%"),
             f"{r['peak_mem_mb']:.0f}",
+            _fmt(r.get("tokens_per_s_vs_best_peer"), ".2f"),
+            _fmt(r.get("peak_mem_vs_best_peer"), ".2f"),
             _fmt(r.get("tokens_per_s_vs_best_hf"), ".2f"),
-            _fmt(r.get("peak_mem_vs_best_hf"), ".2f"),
             _fmt(r.get("tokens_per_s_vs_best_trl"), ".2f"),
             f"{r['real_token_share']:.3f}",
+            _arm_configuration(r),
         ]
-        for arm, r in f.items()
+        for arm, r in ran.items()
     ]
-    best = next((r.get("best_hf_arm") for r in f.values() if r.get("best_hf_arm")), None)
-    best_trl = next((r.get("best_trl_arm") for r in f.values() if r.get("best_trl_arm")), None)
-    header = ["arm", "real tok/s", "MFU", "peak MiB", "× best HF tok/s", "× best HF mem", "× best TRL tok/s"]
+    best = {k: next((r.get(f"best_{k}_arm") for r in ran.values() if r.get(f"best_{k}_arm")), None) for k in BEST}
+    header = ["arm", "real tok/s", "MFU", "peak MiB", "× best peer tok/s", "× best peer mem", "× best HF tok/s"]
+    skipped = [f"- `{arm}` skipped: {r['skipped']}" for arm, r in f.items() if "skipped" in r]
     return [
         f"## Training throughput: {s['name'].removeprefix('benchmark_')}",
         "",
-        f"ratios over the fastest Trainer arm ({best}) and the fastest TRL SFTTrainer arm ({best_trl})",
+        f"ratios over the fastest peer ({best['peer']}), the fastest Trainer arm ({best['hf']}) and the fastest TRL "
+        f"SFTTrainer arm ({best['trl']})",
         "",
-        *_table([*header, "real share"], rows),
+        *_table([*header, "× best TRL tok/s", "real share", "attention; Liger; weights"], rows),
+        *([""] + skipped if skipped else []),
         "",
         f"command: `{s['command']}`",
         "",
     ]
+
+
+BEST = ("peer", "hf", "trl")
+
+
+def _arm_configuration(r: dict) -> str:
+    """attention; Liger; weights dtype (results of scripts/benchmark.py before arms recorded them: blank)."""
+    if "attention" not in r:
+        return ""
+    return f"{r['attention']}; {'Liger' if r['liger'] else 'no Liger'}; {r['weights']}"
 
 
 def _syncs(s: dict) -> list[str]:

@@ -14,8 +14,9 @@ fi
 export PYTHONPATH="$site:$PWD" WANDB_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 - <<'PY'
 import importlib.metadata as m, importlib.util as u, torch
-names = ("transformers", "accelerate", "datasets", "peft", "trl", "huggingface_hub", "tokenizers", "pyarrow", "fsspec")
-found = [f"{n} {m.version(n)}" for n in names] + ["deepspeed " + (m.version("deepspeed") if u.find_spec("deepspeed") else "absent")]
+names = ("transformers", "accelerate", "datasets", "peft", "trl", "liger_kernel", "triton", "huggingface_hub", "tokenizers",
+         "pyarrow", "fsspec")
+found = [f"{n} {m.version(n) if u.find_spec(n) else 'absent'}" for n in names] + ["deepspeed " + (m.version("deepspeed") if u.find_spec("deepspeed") else "absent")]
 print(f"gpu_setup: torch {torch.__version__} ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}); "
       + ", ".join(found))
 PY
