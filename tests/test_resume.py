@@ -321,7 +321,7 @@ def test_the_package_loads_no_pickle_and_trusts_no_remote_code_unless_the_recipe
     assert problems == []
 
 
-# ---- a stop mid-window: nothing of the window applied, the resume runs it again (finetune/training/window_stop.py) ----
+# ---- a stop mid-window: none of the window applied, the resume runs it again (finetune/training/window_stop.py) ----
 
 # Four micro-batches of one row per window and rank, two windows per epoch; attention dropout, so the resume equals the
 # uninterrupted run only with the generators as they were at the window's start (or the epoch's, for its first window)

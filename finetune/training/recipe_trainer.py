@@ -3,8 +3,8 @@
 The recipe's optimizer and schedule (built at the Trainer's create_optimizer/create_scheduler), checkpoints that are
 complete or absent and resume bitwise (checkpoints.py), non-finite values (train.on_nonfinite) and stop requests
 (SIGTERM/SIGINT, lifecycle.py): non-finite values agreed on by all ranks once per optimizer step, a stop at the next
-micro-batch with the unfinished window discarded (window_stop.py; under DeepSpeed at the window's end); evaluation on the recipe's eval sets
-(finetune/evaluation/), the best model (best_model.py).
+micro-batch with the unfinished window discarded (window_stop.py; under DeepSpeed at the window's end); evaluation
+on the recipe's eval sets (finetune/evaluation/), the best model (best_model.py).
 """
 
 from __future__ import annotations
