@@ -159,7 +159,10 @@ class RecipeTrainer(TokenNormTrainer):
         self.verdict.take_window_finite()
         step = self.state.global_step
         # A resume restores the generators at the epoch's start when it starts at the epoch's first window
-        self.window_start.rewind(self, first_of_epoch=self.args.ignore_data_skip or step % steps_per_epoch == 0)
+        self.window_start.rewind(first_of_epoch=self.args.ignore_data_skip or step % steps_per_epoch == 0)
+        if self.window_start.tr_loss is not None:  # the logged loss and FLOs without this window's micro-batches
+            self._tr_loss.copy_(self.window_start.tr_loss)
+        self.current_flos = self.window_start.flos
         done, total = self.window_start.micro_batches - 1, self.current_gradient_accumulation_steps
         reporting.main_print(
             f"{self.stop_request.signal_name}: optimizer step {step + 1} stopped after {done} of its {total} "

@@ -97,12 +97,9 @@ class WindowStart:
         self.tr_loss = tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else None
         self.flos = trainer.current_flos
 
-    def rewind(self, trainer, first_of_epoch: bool) -> None:
-        """The generators, logged loss and FLOs as they were at the window's start (the epoch's, for its first
-        window: a resumed run restores them before it makes the epoch's data iterator)."""
+    def rewind(self, first_of_epoch: bool) -> None:
+        """The generators as they were at the window's start (the epoch's, for its first window: a resumed run
+        restores them before it makes the epoch's data iterator). The trainer takes back `tr_loss` and `flos`."""
         state = self.epoch_rng if first_of_epoch else self.window_rng
         if state is not None:
             checkpoints.set_rng_state(state)
-        if self.tr_loss is not None:
-            trainer._tr_loss.copy_(self.tr_loss)
-        trainer.current_flos = self.flos
