@@ -26,8 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 quickstart: $(STAMP)
-	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
-		finetune/train.py recipe=recipes/quickstart.yaml
+	$(VENV)/bin/python finetune/train.py recipe=recipes/quickstart.yaml
 
 debug: $(STAMP)
 	$(PY) finetune/train.py recipe=recipes/debug.yaml

@@ -35,7 +35,7 @@ TWO_RANKS = [
     "--main_process_port",
     "0",
 ]
-# `accelerate launch` on one process, as `make quickstart` runs a recipe: the script and its arguments follow
+# `accelerate launch` on one process (as PID 1 of a container it drops SIGTERM): the script and its arguments follow
 ONE_RANK = [ACCELERATE, "launch", "--num_processes", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ENV, ON_PATH, ROOT, assert_same_run, signalled, torchrun
+from tests.launch import ENV, ON_PATH, ONE_RANK, ROOT, TWO_RANKS, assert_same_run, signalled, torchrun
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
 TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
@@ -647,3 +647,105 @@ def test_a_stop_before_the_first_step_names_no_checkpoint_that_does_not_exist(tm
     (tmp_path / "checkpoint-2").mkdir()
     trainer.state.global_step = 2
     assert f"after optimizer step 2 of 4; checkpoint: {tmp_path / 'checkpoint-2'}" in stopped_message(stop, trainer, [])
+
+
+# ---- 8. a container's stop: SIGTERM to PID 1 of a PID namespace, whatever the launcher ----
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]  # the command becomes PID 1 of a new PID namespace
+
+
+@pytest.fixture(scope="module")
+def pid_namespace():
+    """unshare needs root (or user namespaces); CI runs as root."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    probe = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here ({probe.stderr.strip()[:120]}; needs root)")
+
+
+def namespace_init(unshare_pid: int) -> int:
+    """The host's PID of the namespace's PID 1: the child of `unshare --fork`."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == unshare_pid:
+                return int(entry.name)
+    raise AssertionError(f"no child of unshare {unshare_pid}")
+
+
+def stopped_as_pid1(cmd: list[str], after_line: str, env: dict) -> tuple[int, str]:
+    """`cmd` as PID 1 of a new PID namespace, sent SIGTERM from outside (as docker stop or the kubelet send it) once
+    a stdout line contains after_line; (exit code, stdout and stderr)."""
+    proc = subprocess.Popen(
+        [*UNSHARE, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if after_line in line:
+            os.kill(namespace_init(proc.pid), signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=120), "".join(lines)
+
+
+LAUNCHERS = {
+    "finetune-train": ([str(Path(sys.executable).with_name("finetune-train"))], 0),
+    "python finetune/train.py": ([sys.executable, "finetune/train.py"], 0),
+    "accelerate launch, 2 processes": ([*TWO_RANKS, "finetune/train.py"], TORCHRUN_SIGTERM_EXIT),
+    "torchrun": (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune/train.py"],
+        TORCHRUN_SIGTERM_EXIT,
+    ),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_each_launcher_as_a_containers_pid_1_saves_on_its_stop(launcher, pid_namespace, tmp_path):
+    command, launcher_code = LAUNCHERS[launcher]
+    if not Path(command[0]).exists():
+        pytest.skip(f"{command[0]} is not installed")
+    out = tmp_path / "out"
+    env = {**ENV, "PYTHONPATH": ON_PATH, "ACCELERATE_USE_CPU": "true"}
+    code, stdout = stopped_as_pid1([*command, *BASE, "train.max_steps=40", f"train.output_dir={out}"], "step 2/40", env)
+    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
+    assert stopped, stdout[-4000:]
+    assert checkpoint_names(out) == [f"checkpoint-{stopped.group(1)}"]
+    assert "does not catch SIGTERM" not in stdout  # these launchers pass the stop on
+    assert code == launcher_code, stdout[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_a_one_process_accelerate_launch_as_pid_1_warns_once_with_the_command_to_run(pid_namespace, tmp_path):
+    """Its launcher installs no SIGTERM handler, so as PID 1 the kernel drops a container's stop; the run says so at
+    start-up and names the command that would save."""
+    args = [*BASE, "train.max_steps=1", f"train.output_dir={tmp_path / 'out'}"]
+    result = subprocess.run(
+        [*UNSHARE, *ONE_RANK, "finetune/train.py", *args],
+        cwd=ROOT,
+        env={**ENV, "PYTHONPATH": ON_PATH},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if "does not catch SIGTERM" in line]
+    assert len(warnings) == 1, result.stdout[-3000:]
+    assert warnings[0].startswith("warning: this run's parent, PID 1 (") and "accelerate" in warnings[0]
+    assert f"`python finetune/train.py {' '.join(args)}`" in warnings[0]
+
+
+def test_catches_sigterm_reads_the_sigcgt_mask():
+    from finetune.training.lifecycle import catches_sigterm
+
+    assert not catches_sigterm("Name:\tpython\nSigIgn:\t0000000001001000\nSigCgt:\t0000000000000002\n")  # SIGINT only
+    assert catches_sigterm("SigCgt:\t0000000000004002\n")  # bit 14: signal 15
+    assert catches_sigterm("SigCgt:\t0000000180004a02\n")
+    assert not catches_sigterm("SigCgt:\t0000000180000a02\n")

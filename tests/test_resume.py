@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 
 from finetune.recipe import RecipeError, TrainConfig, load_config
 from finetune.training import checkpoints
-from tests.launch import ENV, ROOT, assert_same_run, signalled, step_logs
+from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_same_run, run, signalled, step_logs
 
 COMMON = [
     "recipe=recipes/debug.yaml",
@@ -318,3 +319,106 @@ def test_the_package_loads_no_pickle_and_trusts_no_remote_code_unless_the_recipe
             if isinstance(remote, ast.Constant) and remote.value is True:
                 problems.append(f"{source.name}:{node.lineno}: trust_remote_code=True")
     assert problems == []
+
+
+# ---- a stop mid-window: none of the window applied, the resume runs it again (finetune/training/window_stop.py) ----
+
+# Four micro-batches of one row per window and rank, two windows per epoch; attention dropout, so the resume equals the
+# uninterrupted run only with the generators as they were at the window's start (or the epoch's, for its first window)
+MID_WINDOW = [
+    "recipe=recipes/debug.yaml",
+    "data.max_length=64",
+    "train.max_steps=4",
+    "train.micro_batch_size=1",
+    "log.wandb_mode=disabled",
+    "model.config_overrides.attention_dropout=0.1",
+]
+RANKS = {1: ["data.limit=8", "train.global_batch_size=4"], 2: ["data.limit=16", "train.global_batch_size=8"]}
+_mid_window_references: dict[int, Path] = {}
+
+
+def launched(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
+    """tests/workers/resume_worker.py `args` on one process, or on two CPU ranks under `accelerate launch`."""
+    launcher = [sys.executable] if ranks == 1 else [*TWO_RANKS]
+    env = {**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH}
+    cmd = [*launcher, "tests/workers/resume_worker.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def mid_window_reference(ranks: int, tmp_path_factory) -> Path:
+    if ranks not in _mid_window_references:
+        out = tmp_path_factory.mktemp(f"mid-window-reference-{ranks}")
+        done = launched(ranks, ["none", *MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}"])
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        _mid_window_references[ranks] = out
+    return _mid_window_references[ranks]
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    "ranks, step",
+    [
+        (1, 2),  # the epoch's second window
+        (1, 3),  # the first window of the second epoch: a resume restores the generators before the epoch's iterator
+        pytest.param(2, 2, marks=pytest.mark.distributed),  # rank 0 alone is signalled: the ranks agree
+    ],
+)
+def test_sigterm_mid_window_applies_none_of_it_and_the_resume_equals_the_uninterrupted_run_bitwise(
+    ranks, step, tmp_path_factory, tmp_path
+):
+    reference = mid_window_reference(ranks, tmp_path_factory)
+    out = tmp_path / "stopped"
+    args = [*MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}", "train.resume_from=auto"]
+    stopped = launched(ranks, [f"term:{step}", *args])
+    assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    cut = re.search(rf"optimizer step {step} stopped after (\d) of its 4 micro-batches", stopped.stdout)
+    assert cut and 1 <= int(cut.group(1)) <= 3, stopped.stdout[-3000:]  # mid-window, not at its end
+    assert f"stopped by SIGTERM after optimizer step {step - 1} of 4" in stopped.stdout, stopped.stdout[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{step - 1}"]
+    assert checkpoints.checkpoint_step(str(out / f"checkpoint-{step - 1}")) == step - 1
+    assert not (out / "model.safetensors").exists()
+    resumed = launched(ranks, ["none", *args])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"resuming from {out / f'checkpoint-{step - 1}'}" in resumed.stdout
+    assert_same_run(out, reference)
+
+
+@pytest.mark.e2e
+@pytest.mark.subprocess
+def test_sigterm_in_a_window_of_128_micro_batches_saves_and_exits_within_20_s_and_resumes_bitwise(tmp_path):
+    """The issue's bound: a container's grace period (30 s on Kubernetes) is shorter than a window of 128
+    micro-batches; the stop comes at the next micro-batch."""
+    args = [
+        "recipe=recipes/debug.yaml",
+        "data.limit=256",
+        "data.max_length=64",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=128",
+        "train.max_steps=2",
+        "log.wandb_mode=disabled",
+    ]
+    reference, out = tmp_path / "reference", tmp_path / "stopped"
+    done = run([*args, f"train.output_dir={reference}"], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cmd = [sys.executable, "finetune/train.py", *args, f"train.output_dir={out}", "train.resume_from=auto"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 1/2" in line:
+            time.sleep(1.0)  # into the second window
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    code, took = proc.wait(timeout=600), time.monotonic() - sent
+    stdout = "".join(lines)
+    assert code == 0, stdout[-3000:]
+    cut = re.search(r"optimizer step 2 stopped after (\d+) of its 128 micro-batches", stdout)
+    assert cut and 1 <= int(cut.group(1)) < 127, stdout[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert took < 20, f"{took:.1f} s from SIGTERM to exit"
+    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(out, reference)

@@ -71,7 +71,9 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
 
     use_cpu_threads()
     console.plain_console()  # in a log file: no library progress bars (each redraw would be a line fragment)
-    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, exit 0
+    if warning := lifecycle.container_stop_warning(sys.argv[1:] if argv is None else argv):
+        reporting.main_print(warning)  # the launcher is PID 1 and drops SIGTERM: a container's stop never arrives
+    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: stop at the next micro-batch, save the last step, exit 0
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
         lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
         if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it

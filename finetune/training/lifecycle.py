@@ -1,5 +1,6 @@
 """A run's start and end around the Trainer: the output directory checked before training, what the run starts from,
-SIGTERM/SIGINT turned into "finish the step, save, say how to resume", and the final save landing file by file.
+SIGTERM/SIGINT turned into "stop at the next micro-batch, save the last step, say how to resume" (window_stop.py), a
+launcher that would never pass a container's stop on, and the final save landing file by file.
 """
 
 from __future__ import annotations
@@ -113,13 +114,15 @@ def leave_together(trainer) -> None:
     trainer.end()  # Accelerator.end_training: destroys the default process group where this process created it
 
 
-# ---- SIGTERM / SIGINT: finish the step, save, say how to resume ----
+# ---- SIGTERM / SIGINT: stop at the next micro-batch, save the last step, say how to resume ----
 
 
 class StopRequest:
-    """Set by SIGTERM or SIGINT; the trainer finishes its optimizer step, saves a checkpoint and stops.
+    """Set by SIGTERM or SIGINT; the trainer stops at the next micro-batch (the window's end under DeepSpeed), saves
+    the last optimizer step as a checkpoint and stops.
 
-    A second SIGINT (Ctrl-C) stops at once, without saving.
+    A second signal stops at once, without saving: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM by its default
+    action (the process ends, exit status 143 from a shell).
     """
 
     def __init__(self):
@@ -138,13 +141,17 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.signal_name is not None:  # the second signal: at once, without saving
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.signal_name = signal.Signals(signum).name
         if is_main_process():
             print(
-                f"\n{self.signal_name}: finishing this optimizer step, then saving a checkpoint "
-                "(Ctrl-C again stops without saving)",
+                f"\n{self.signal_name}: stopping at the next micro-batch, then saving the last optimizer step "
+                "(the same signal again stops at once, without saving)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -152,6 +159,11 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+    def join(self) -> None:
+        """All ranks agreed on a stop that another rank was asked for: this rank stops and saves with them."""
+        if self.signal_name is None:
+            self.signal_name = "another rank's stop request"
 
     @contextlib.contextmanager
     def installed(self):
@@ -178,6 +190,42 @@ def signal_when_the_launcher_dies() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# ---- a container's stop: SIGTERM to PID 1 of its PID namespace ----
+
+SIGCGT = "SigCgt:"  # /proc/PID/status: the signals the process catches, a hex mask with bit (signal - 1)
+
+
+def catches_sigterm(status: str) -> bool:
+    """Whether a process with this /proc/PID/status text has a handler for SIGTERM."""
+    line = next((line for line in status.splitlines() if line.startswith(SIGCGT)), None)
+    return line is None or bool(int(line.removeprefix(SIGCGT).strip(), 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def container_stop_warning(argv: list[str], proc: str = "/proc") -> str | None:
+    """A warning when this process's parent is PID 1 of its PID namespace (a container's first process) and does not
+    catch SIGTERM: the kernel then drops a container's stop (docker stop, a pod's termination) before it reaches this
+    run, and the SIGKILL after the grace period loses the steps since the last checkpoint. `accelerate launch` with one
+    process is such a parent; `argv`: this run's arguments, for the command to run instead."""
+    if os.getppid() != 1 or not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open(os.path.join(proc, "1", "status")) as f:
+            status = f.read()
+        with open(os.path.join(proc, "1", "cmdline"), "rb") as f:
+            parent = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    if catches_sigterm(status):
+        return None
+    instead = shlex.join(["python", sys.argv[0], *argv])
+    return (
+        f"warning: this run's parent, PID 1 ({parent or 'unknown'}), does not catch SIGTERM: a container's stop "
+        "will not reach this run, and the SIGKILL after the grace period loses what was trained since the last "
+        f"checkpoint. In a container run `{instead}` (or finetune-train) as its command; `accelerate launch` passes "
+        "a stop on only with several processes (docs/runs.md)"
+    )
+
+
 class EvaluationStopped(Exception):
     """A stop request ended an evaluation at a batch: it is not logged; RecipeTrainer.evaluate returns no figures and
     the Trainer saves the checkpoint next."""
@@ -198,6 +246,7 @@ class StopDuringEvaluation(TrainerCallback):
             torch.distributed.all_reduce(flag)
             requested = bool(flag.item())
         if requested and state.global_step < state.max_steps:
+            self.stop.join()
             control.should_save = control.should_training_stop = True
             raise EvaluationStopped
 

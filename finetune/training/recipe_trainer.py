@@ -2,8 +2,9 @@
 
 The recipe's optimizer and schedule (built at the Trainer's create_optimizer/create_scheduler), checkpoints that are
 complete or absent and resume bitwise (checkpoints.py), non-finite values (train.on_nonfinite) and stop requests
-(SIGTERM/SIGINT, lifecycle.py), agreed on by all ranks once per optimizer step; evaluation on the recipe's eval sets
-(finetune/evaluation/), the best model (best_model.py).
+(SIGTERM/SIGINT, lifecycle.py): non-finite values agreed on by all ranks once per optimizer step, a stop at the next
+micro-batch with the unfinished window discarded (window_stop.py; under DeepSpeed at the window's end); evaluation
+on the recipe's eval sets (finetune/evaluation/), the best model (best_model.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from finetune.core.trainer import TokenNormTrainer
 from finetune.evaluation import metrics as eval_metrics
 from finetune.evaluation.named_sets import evaluate_sets
 from finetune.recipe import RecipeError
-from finetune.training import best_model, checkpoints, distributed, lifecycle, reporting, resume_checks
+from finetune.training import (
+    best_model,
+    checkpoints,
+    distributed,
+    lifecycle,
+    reporting,
+    resume_checks,
+    window_stop,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +78,9 @@ class RecipeTrainer(TokenNormTrainer):
     gets the Trainer's count of optimizer steps (never micro-batches) and is stepped by the Trainer once per step.
     Checkpoints are complete or absent (finetune/training/checkpoints.py). Once per optimizer step, before
     the update, all ranks agree on whether the loss or gradients were non-finite (train.on_nonfinite: skip the update,
-    counted as `nonfinite_skipped`, or stop) and whether a stop was requested (SIGTERM/SIGINT: save, then stop).
+    counted as `nonfinite_skipped`, or stop). A stop request (SIGTERM/SIGINT) is honoured at the next micro-batch:
+    the unfinished window is discarded and the last optimizer step saved (window_stop.py); one noticed at the window's
+    last micro-batch (or under DeepSpeed, whose engine steps inside the last backward) completes the step first.
     Evaluation on the recipe's eval set (`eval_setup=`: its collator, an evaluation before the first step of a fresh
     run, perplexity and eval tokens/s per evaluation, the best model): finetune/evaluation/metrics.py.
     `merge_lora=True` (model.lora.merge): the final save and best/ are the merged model (finetune/model/lora_merge.py).
@@ -104,6 +115,8 @@ class RecipeTrainer(TokenNormTrainer):
         self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
         self.reports, self.eval_callbacks = reports, eval_callbacks  # held by name for what reads them
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
+        self.window_start = window_stop.WindowStart()  # what a stop mid-window rewinds to
+        self.stop_agreement: window_stop.StopAgreement | None = None  # made by train(): collective over the ranks
         if eval_callbacks is not None:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or ()), *eval_callbacks.callbacks]
         super().__init__(*args, **kwargs)
@@ -120,7 +133,12 @@ class RecipeTrainer(TokenNormTrainer):
         if isinstance(resume_from_checkpoint, str):
             checkpoints.check_same_model(resume_from_checkpoint, self.model)
             self.restore_checkpoint_state(checkpoints.read_state(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.stop_request is not None and self.stop_agreement is None and not self.decides_before_backward():
+            self.stop_agreement = window_stop.StopAgreement.for_ranks(self.stop_request, self.accelerator.num_processes)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.stop_agreement is not None:
+            self.stop_agreement.finish()  # no sum left in flight when the process group ends
+        return output
 
     def _run_epoch(self, *args, **kwargs):
         # Resumed from the run's last step in the middle of an epoch, transformers would train one step more (it
@@ -128,7 +146,42 @@ class RecipeTrainer(TokenNormTrainer):
         if 0 < self.state.max_steps <= self.state.global_step:
             self.control.should_training_stop = True
             return None
-        return super()._run_epoch(*args, **kwargs)
+        self.window_start.epoch_began()
+        try:
+            return super()._run_epoch(*args, **kwargs)
+        except window_stop.WindowStopped:
+            self.stop_mid_window(kwargs["model"], kwargs.get("trial"), kwargs["num_update_steps_per_epoch"])
+            return None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.window_start.window_opened()
+        return batches
+
+    def stop_mid_window(self, model, trial, steps_per_epoch: int) -> None:
+        """All ranks agreed on a stop before a micro-batch: nothing of this window is applied (its gradients are
+        dropped; no optimizer or scheduler step), and the checkpoint of the last optimizer step is saved with the
+        generators as the resumed run meets this window again (window_stop.py)."""
+        self.stop_request.join()
+        model.zero_grad(set_to_none=True)
+        self.verdict.take_window_finite()
+        step = self.state.global_step
+        # A resume restores the generators at the epoch's start when it starts at the epoch's first window
+        self.window_start.rewind(first_of_epoch=self.args.ignore_data_skip or step % steps_per_epoch == 0)
+        if self.window_start.tr_loss is not None:  # the logged loss and FLOs without this window's micro-batches
+            self._tr_loss.copy_(self.window_start.tr_loss)
+        self.current_flos = self.window_start.flos
+        done, total = self.window_start.micro_batches - 1, self.current_gradient_accumulation_steps
+        reporting.main_print(
+            f"{self.stop_request.signal_name}: optimizer step {step + 1} stopped after {done} of its {total} "
+            "micro-batches; nothing of it is applied (a resume runs it again)"
+        )
+        self.control.should_training_stop = True
+        if step == 0:  # nothing trained: no checkpoint, a resume starts afresh
+            return
+        self.control.should_save = True
+        self._save_checkpoint(model, trial)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _save_checkpoint(self, model, trial):  # staged, then renamed into place: complete or absent
         checkpoints.save_atomically(
@@ -158,6 +211,7 @@ class RecipeTrainer(TokenNormTrainer):
     def _load_rng_state(self, checkpoint):
         if checkpoint is not None:
             checkpoints.restore_rng_state(checkpoint, self._rng_file())
+            self.window_start.epoch_began()  # restored at the epoch's start: what a stop in its first window saves
 
     def _issue_warnings_after_load(self, load_result) -> None:
         # a tied head (lm_head.weight, embed_tokens.weight) is saved once: not a missing key of the checkpoint
@@ -198,9 +252,12 @@ class RecipeTrainer(TokenNormTrainer):
     def _data_position(self) -> dict:
         return resume_checks.data_position(self)  # len() of a stream: it has none
 
-    # ---- once per optimizer step: non-finite values, stop requests ----
+    # ---- stop requests at each micro-batch; non-finite values once per optimizer step ----
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.window_start.micro_batch(self)
+        if self.stop_agreement is not None and self.stop_agreement.agreed():  # before the forward: DDP is idle
+            raise window_stop.WindowStopped
         loss = super().training_step(model, inputs, num_items_in_batch)
         finite = self.verdict.note_loss(loss)  # no host sync per micro-batch
         # Trainer's NaN filter is off (it reads the loss back after every backward): a non-finite micro-batch adds 0
@@ -255,6 +312,7 @@ class RecipeTrainer(TokenNormTrainer):
     def _judge(self, bad_grads: bool, bad_loss: bool, stop: bool, norm) -> None:
         """This step's verdict from flags all ranks agree on: veto the update, count a skip, or stop."""
         if stop:  # this step completes; then the Trainer saves a checkpoint and leaves its loop
+            self.stop_request.join()
             self.control.should_save = self.control.should_training_stop = True
         self.verdict.nonfinite, skipped, halt = nonfinite_verdict(
             bad_grads, bad_loss, self.args.fp16, self.on_nonfinite

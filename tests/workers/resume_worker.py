@@ -3,6 +3,7 @@
     python tests/workers/resume_worker.py KILL_AT recipe=recipes/debug.yaml key=value ...
 
 KILL_AT: `none`; `window:N` (inside optimizer step N's accumulation window, after its first micro-batch);
+`term:N` (SIGTERM from rank 0 to itself inside step N's window, after its first micro-batch: a stop mid-window);
 `step:N` (after step N's update, before its checkpoint is written); `save:N` (while checkpoint-N is being written:
 weights on disk, optimizer state not yet, nothing renamed); `commit:N` (checkpoint-N fully written, not yet renamed).
 """
@@ -16,6 +17,7 @@ import sys
 from transformers import TrainerCallback
 
 import finetune.tools.train
+from finetune.env import is_main_process
 from finetune.training import checkpoints
 from finetune.training.recipe_trainer import RecipeTrainer
 
@@ -32,6 +34,9 @@ class KillAt(TrainerCallback):
     def on_substep_end(self, args, state, control, **kwargs):  # after a micro-batch that is not a window's last
         if self.kind == "window" and state.global_step == self.step - 1:
             die()
+        if self.kind == "term" and state.global_step == self.step - 1 and is_main_process():
+            self.kind = "sent"
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.kind == "step" and state.global_step == self.step:
