@@ -65,7 +65,8 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
     code, stdout = signalled(cmd, signal.SIGTERM, "step 1/6")  # mid-pass, before the first save_steps checkpoint
     assert code == 0 and "stopped by SIGTERM" in stdout, stdout[-3000:]
     first = checkpoint_names(out)
-    assert first and first[-1] in ("checkpoint-2", "checkpoint-3"), first
+    # the stop lands at the next micro-batch and saves the last optimizer step: step 1 (or a later one on a slow CPU)
+    assert first and first[-1] in ("checkpoint-1", "checkpoint-2", "checkpoint-3"), first
     code, stdout = signalled(cmd, signal.SIGTERM, "step 4/6")  # the second and third passes
     assert code == 0 and f"resuming from {out / first[-1]}" in stdout, stdout[-3000:]
     assert "stopped by SIGTERM" in stdout, stdout[-3000:]

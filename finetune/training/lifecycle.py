@@ -108,9 +108,14 @@ def save_final(trainer, texts: dict[str, str]) -> None:
 
 
 def leave_together(trainer) -> None:
-    """At the end of a run every rank waits for the others, then the process group is destroyed (NCCL warns of an
-    undestroyed group; a rank leaving while its peer is still in a gloo collective aborts the peer)."""
+    """At the end of a run every rank waits for the others (a rank leaving while its peer is still in a gloo
+    collective aborts the peer), then an NCCL process group is destroyed (NCCL warns of an undestroyed group). A gloo
+    group is left to the process's end (finetune.env.exit_process): destroyed here, it would be freed with the last
+    object holding it (the DDP reducer, the stop agreement's group) when the trainer goes, and a gloo group freed
+    right after a collective can deadlock in its destructor."""
     trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        return
     trainer.end()  # Accelerator.end_training: destroys the default process group where this process created it
 
 
