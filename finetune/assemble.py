@@ -27,7 +27,7 @@ from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
 from finetune.evaluation import metrics, sets
 from finetune.evaluation.prompts import sample_prompts
-from finetune.model import loading, vlm
+from finetune.model import layer_kernels, loading, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.recipe import (
@@ -44,7 +44,7 @@ from finetune.recipe import (
     resolve_plan,
     to_tree,
 )
-from finetune.recipe.checks import precision_on_device, precision_warning
+from finetune.recipe.checks import levers_on_device, precision_on_device, precision_warning
 from finetune.training import distributed, reporting, schedules
 from finetune.training.arguments import training_arguments
 from finetune.training.recipe_trainer import RecipeTrainer
@@ -78,7 +78,7 @@ def build(
         cfg.train, cfg.optim, cfg.log, cfg.data, cfg.eval, plan, data.batches, evaluating=bool(data.eval_sets)
     )
     packs = plan.packs if data.eval_sets else plan.training.packs
-    model = load_model(cfg.model, cfg.train.seed, folder, tokenizer, rows, packs)
+    model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, packs)
     reports = reporting.reports(cfg.train, cfg.log, to_tree(cfg))
     return trainer_cls(
         model=model,
@@ -133,12 +133,14 @@ def run_callbacks(total_steps: int, reports: reporting.RunReports) -> list[Train
 
 
 def check_machine(train: TrainConfig, optim: OptimConfig, model: ModelConfig, data: DataConfig, plan: RunPlan) -> None:
-    """accelerate launch's settings and this device's precision vs the recipe (a warning for bf16 weights)."""
+    """accelerate launch's settings, this device's precision and the speed levers vs the recipe (a warning for bf16
+    weights)."""
     distributed.check_launch(train, optim, data, plan)
     gpu = torch.cuda.get_device_name() if reporting.has_accelerator() else None
     bf16 = gpu is not None and torch.cuda.is_bf16_supported(including_emulation=False)
-    if problem := precision_on_device(train, model, gpu, bf16):
-        raise RecipeError(problem)
+    for problem in (precision_on_device(train, model, gpu, bf16), levers_on_device(model, gpu)):
+        if problem:
+            raise RecipeError(problem)
     if warning := precision_warning(model):
         reporting.main_print(f"warning: {warning}")
 
@@ -203,15 +205,21 @@ def load_data(
     return run_data
 
 
-def load_model(model_cfg: ModelConfig, seed: int, folder: str, tokenizer, rows: RowKind, packs: bool):
-    """The model, the same initial weights on every rank and in every run (from_config is seeded with `seed`,
-    train.seed); packed rows get per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model:
-    it then keeps sdpa, saying why)."""
-    set_seed(seed)
+def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenizer, rows: RowKind, packs: bool):
+    """The model, the same initial weights on every rank and in every run (from_config is seeded with train.seed);
+    packed rows get per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps
+    sdpa, saying why); then the speed levers the recipe turns on (finetune/model/layer_kernels.py)."""
+    if model_cfg.liger_kernels and rows.images:
+        raise RecipeError("model.liger_kernels=true applies to text models; set it false for a vision-language model")
+    set_seed(train.seed)
     model = vlm.load_vlm(model_cfg, folder, tokenizer) if rows.images else loading.load_model(model_cfg, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
+    if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
+        reporting.main_print(layer_kernels.use_liger_kernels(layer_kernels.base_model(model)))
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
+    if train.compile_layers:  # last: the layers are compiled as they will run
+        reporting.main_print(layer_kernels.compile_layers(model))
     return model
 
 

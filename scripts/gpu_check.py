@@ -12,10 +12,11 @@ Steps (scripts/gpu_steps.py), in priority order, each a command in its own proce
 inside its time box: verify_fp32, verify_bf16, verify_fp16 (`python -m finetune.verify` on recipes/debug.yaml: the
 largest relative gradient error against float64 and its tolerance); benchmark_0.5b (scripts/benchmark.py in bf16:
 ours, the Trainer arms, TRL's SFTTrainer arms); gpu_tier (`pytest -m gpu`); loss_head (scripts/bench_loss_head.py);
-host_syncs (scripts/count_syncs.py); sharded_fsdp2, sharded_zero2, sharded_zero3 (scripts/sharded_check.py on one GPU
-process); vlm_bf16 and vlm_qwen_bf16 (scripts/bench_vlm.py on the VLM seed recipe and on recipes/vlm_qwen.yaml:
-packed multimodal RoPE); benchmark_smollm2-135m. Every model is built from a config with random init
-(`--model-folder`: SmolLM2's config and tokenizer, no weights).
+host_syncs (scripts/count_syncs.py); profile_packed (scripts/profile_packed.py: one packed step of the ~0.5B model
+under torch.profiler, summarised by scripts/profile_summary.py); sharded_fsdp2, sharded_zero2, sharded_zero3
+(scripts/sharded_check.py on one GPU process); vlm_bf16 and vlm_qwen_bf16 (scripts/bench_vlm.py on the VLM seed
+recipe and on recipes/vlm_qwen.yaml: packed multimodal RoPE); benchmark_smollm2-135m. Every model is built from a
+config with random init (`--model-folder`: SmolLM2's config and tokenizer, no weights).
 
 `--budget` (seconds, default 480) bounds the whole run: a step gets its time box or what is left of the budget, and a
 step that cannot get `MIN_SECONDS` is not run and listed as such with why. DIR/report.json and DIR/report.md hold the

@@ -5,4 +5,4 @@ report=${1:?the report folder}; out=${2:?where to put what comes back}
 mkdir -p "$out"
 cp "$report/report.json" "$report/report.md" "$out/" 2>/dev/null || echo "gpu_pack: no report in $report"
 # the steps' logs and JSON, and the sharded runs' own logs (their checkpoints stay behind)
-(cd "$report" && tar czf "$out/logs.tgz" logs $(ls *.json *.xml *.txt sharded_*/*.log 2>/dev/null)) && ls -la "$out"
+(cd "$report" && tar czf "$out/logs.tgz" logs $(ls *.json *.xml *.txt profile_*.md sharded_*/*.log 2>/dev/null)) && ls -la "$out"

@@ -156,6 +156,14 @@ def _syncs(s: dict) -> list[str]:
     return lines
 
 
+def _profile(s: dict) -> list[str]:
+    if not s["figures"]:
+        return []
+    from profile_summary import markdown  # beside this script
+
+    return ["## Profile of one packed optimizer step", "", markdown(s["figures"]), f"command: `{s['command']}`", ""]
+
+
 def _vlm(s: dict) -> list[str]:
     f = s["figures"]
     modes = f.get("cuda", f)
@@ -219,7 +227,7 @@ def write_report(report: dict, path: Path) -> None:
         ),
         "",
     ]
-    by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs}
+    by_kind = {"gpu_tier": _gpu_tier, "loss_head": _loss_head, "host_syncs": _syncs, "profile_packed": _profile}
     by_kind |= {"vlm_bf16": _vlm, "vlm_qwen_bf16": _vlm}
     verify = [s for s in steps if s["name"].startswith("verify_")]
     sharded = [s for s in steps if s["name"].startswith("sharded_")]

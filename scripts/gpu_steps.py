@@ -43,7 +43,8 @@ def steps_for(s: Sizing) -> list[Step]:
     """Most wanted first: exactness on the device, the headline throughput, the GPU tier, then the rest."""
     main_bench, *other_benches = benchmarks(s)
     vlms = [vlm(s), vlm(s, "recipes/vlm_qwen.yaml", "vlm_qwen_bf16")]
-    steps = [*verify(s), main_bench, gpu_tier(s), loss_head(s), host_syncs(s), *sharded(s), *vlms, *other_benches]
+    steps = [*verify(s), main_bench, gpu_tier(s), loss_head(s), host_syncs(s), profile_packed(s), *sharded(s), *vlms]
+    steps += other_benches
     return steps
 
 
@@ -108,6 +109,30 @@ def host_syncs(s: Sizing) -> Step:
     command += ["--kernels", str(s.out / "host_syncs_kernels.txt")]
     command += ["recipe=recipes/debug.yaml", "train.precision=bf16", "data.batching=packed", *s.model_keys]
     return Step("host_syncs", command, 300 if s.smoke else 60, "json", path)
+
+
+# the ~0.5B model of scripts/benchmark.py --model 0.5b, and its packed arm's rows: filled to 14,215 tokens per
+# micro-batch (the mean computed tokens of a random padded micro-batch of 32 docstring rows), 4 per optimizer step
+HALF_B = [
+    "model.config_overrides={hidden_size: 1280, intermediate_size: 3584, num_hidden_layers: 24, "
+    "num_attention_heads: 20, num_key_value_heads: 4}"
+]
+HALF_B_PACKED = ["data.max_tokens_per_micro_batch=14215", "train.global_batch_tokens=56860"]
+
+
+def profile_packed(s: Sizing) -> Step:
+    """One packed optimizer step under torch.profiler (scripts/profile_packed.py) and its summary: top kernels, idle
+    gaps, host syncs per step. The ~0.5B model in bf16 (micro-batch 32 × 4, as benchmark_0.5b's packed arm); --smoke:
+    the debug recipe (4 × 2)."""
+    path = str(s.out / "profile_packed.json")
+    command = [PY, "scripts/profile_packed.py", "--work", str(s.out / "profile_packed"), "--json", path]
+    command += ["--markdown", str(s.out / "profile_packed.md")]
+    if s.smoke:
+        command += ["recipe=recipes/debug.yaml", "train.micro_batch_size=4", "train.global_batch_size=8"]
+    else:
+        command += ["recipe=recipes/bench.yaml", *HALF_B, *HALF_B_PACKED]
+    command += ["data.batching=packed", "train.precision=bf16", *s.model_keys]
+    return Step("profile_packed", command, 300, "json", path)
 
 
 def sharded(s: Sizing) -> list[Step]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from finetune.recipe import Config, RecipeError, load_config
 from finetune.recipe.bounds import bounds_text
@@ -130,6 +131,8 @@ def test_the_messages_are_worded_from_the_bounds():
         ),  # was accumulation -2: zero steps, an untrained model "done"
         (["optim=3"], "optim is a section (name, lr, weight_decay, …), not a value; set its keys, e.g. optim.name=…"),
         (["recipe="], None),
+        (["model.liger_kernels=maybe"], "model.liger_kernels='maybe' is not a valid value for this key"),
+        (["train.compile_layer=true"], "unknown key 'train.compile_layer'; did you mean 'train.compile_layers'?"),
     ],
 )
 def test_settings_that_would_train_nothing_or_something_else_are_refused(argv, message):
@@ -222,6 +225,14 @@ CLI_CASES = [
         r"optim\.name='adam\\udcff' is not one of adamw, sgd, lamb, lars; did you mean 'adamw'\?",
     ),
 ]
+if not torch.cuda.is_available():  # refused before the model loads: Liger's kernels are triton GPU kernels
+    CLI_CASES.append(
+        (
+            "liger on a CPU",
+            lambda t: ["model.liger_kernels=true"],
+            r"^error: model\.liger_kernels=true needs a CUDA GPU",
+        )
+    )
 
 
 def write(folder: Path, text) -> Path:

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["verify_fp32", "verify_bf16", "verify_fp16", "benchmark_tiny", "gpu_tier", "loss_head", "host_syncs"]
+STEPS += ["profile_packed"]
 STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "vlm_bf16", "vlm_qwen_bf16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -47,7 +48,7 @@ def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(t
         assert (out / s["log"]).stat().st_size > 0, s["name"]
         assert f"`{s['command']}`" in md, s["name"]
         assert s["status"] in ("passed", "skipped"), s["name"]
-    for name in ("verify_fp32", "verify_bf16", "host_syncs"):
+    for name in ("verify_fp32", "verify_bf16", "host_syncs", "profile_packed"):
         assert f"model.name_or_path={folder} model.gguf_file=null" in steps[name]["command"], name
     assert f"--model-folder {folder}" in steps["benchmark_tiny"]["command"]
     assert f"model.name_or_path={out / 'smollm2-random'} model.gguf_file=null" in steps["vlm_bf16"]["command"]
@@ -86,6 +87,12 @@ def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(t
     syncs = steps["host_syncs"]["figures"]
     assert syncs["steps"] == 2 and syncs["cuda_syncs_per_step"] is None  # CPU: the aten-op proxy only
     assert syncs["syncing_ops_per_step"] > 0 and "aten::_local_scalar_dense" in syncs["syncing_ops"]
+
+    profile = steps["profile_packed"]["figures"]  # a CPU trace: its top-level ops stand in for kernels
+    assert profile["kind"] == "cpu" and profile["micro_batches_per_step"] == 2 and len(profile["top"]) == 15
+    assert profile["busy_us"] > 0 and 0 <= profile["idle"]["idle_us"] < profile["idle"]["span_us"]
+    assert profile["host_syncs"]["counts"]["aten::_local_scalar_dense"] > 0
+    assert "## Profile of one packed optimizer step" in md
 
     for config in ("fsdp2", "zero2", "zero3"):  # accelerate would run them unsharded on a CPU: each says so
         sharded = steps[f"sharded_{config}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -216,3 +217,17 @@ def precision_warning(model: ModelConfig) -> str | None:
         "model.dtype=bfloat16 trains bf16 weights without a float32 copy: updates smaller than 1/256 of a weight "
         "are rounded away; for exact small-lr updates use model.dtype=float32 with train.precision=bf16"
     )
+
+
+def levers_on_device(model: ModelConfig, gpu_name: str | None) -> str | None:
+    """What the recipe's speed levers cannot do on this machine (None: they can); said before the model loads."""
+    if not model.liger_kernels:
+        return None
+    if gpu_name is None:
+        return (
+            "model.liger_kernels=true needs a CUDA GPU (Liger's kernels are triton GPU kernels); set it false on this "
+            "machine"
+        )
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "model.liger_kernels=true needs liger-kernel, which is not installed: pip install liger-kernel"
+    return None

@@ -61,6 +61,10 @@ class ModelConfig:
         help="assemble a VLM from this language model and a new vision tower: model_type (siglip_vision_model: a "
         "LLaVA, the default; qwen2_5_vl: a Qwen2.5-VL) and that tower config's fields",
     )
+    # speed lever, off by default: kept on only where the GPU measures it faster and exact (docs/gpu.md)
+    liger_kernels: bool = setting(
+        False, help="Liger's RMSNorm/SwiGLU/RoPE triton kernels under this trainer's head and loss (CUDA, text models)"
+    )
 
 
 @dataclass
@@ -101,6 +105,10 @@ class TrainConfig:
     profile_steps: list[int] = number([], min=1, help="[first, last] optimizer steps under torch.profiler")
     sync_each_batch: bool = setting(
         False, help="reduce gradients after every micro-batch: less memory under FSDP, more traffic"
+    )
+    # speed lever, off by default: kept on only where the GPU measures it faster and exact (docs/gpu.md)
+    compile_layers: bool = setting(
+        False, help="torch.compile each decoder layer in place (dynamic shapes), compiled on its first micro-batch"
     )
 
 

@@ -134,11 +134,13 @@ KEY_RULES = (
             "train.profile_steps",
             "train.gradient_checkpointing",
             "train.sync_each_batch",
+            "train.compile_layers",
             "log.",
             "eval.",
             "data.num_workers",
             "model.attn_implementation",
             "model.trust_remote_code",
+            "model.liger_kernels",
         ),
     ),
     (
