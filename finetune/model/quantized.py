@@ -85,7 +85,8 @@ def quantize_built(model, cfg: ModelConfig, loader):
         model.save_pretrained(scratch)
         del model
         quantized = loader(scratch, dtype=DTYPES[cfg.dtype], **load_options(cfg))
-        quantized.config._name_or_path = source  # where it came from, not the scratch folder (adapter_config.json)
+        # where it came from, not the scratch folder (peft writes it into adapter_config.json)
+        quantized.config._name_or_path = quantized.name_or_path = source
         return quantized
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
