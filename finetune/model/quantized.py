@@ -117,12 +117,15 @@ def prepare_kbit(model, cfg: ModelConfig):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def dequantized_weight(module) -> torch.Tensor:
-    """The float weight a bitsandbytes 4-bit layer multiplies by (bitsandbytes' own dequantize_4bit, in the layer's
-    compute dtype); any other module's weight as it is."""
-    import bitsandbytes as bnb
-
-    if isinstance(module, bnb.nn.Linear4bit):
-        weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
-        return weight.to(module.compute_dtype or weight.dtype)
-    return module.weight
+def dequantize_base(model):
+    """The model with every bitsandbytes 4-bit layer (inside peft's LoRA layers too) replaced, in place, by a plain
+    Linear holding bitsandbytes' own dequantization of its weight (dequantize_4bit: the float weight each forward
+    multiplies by): the model that trains, as plain floats, for finetune.verify's reference. Unquantized: as is."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "hf_quantizer", None) is None:
+        return model
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    base.dequantize()
+    for name, p in model.named_parameters():  # the new Linear weights are Parameters that would train
+        p.requires_grad_(name in trained)
+    return model
