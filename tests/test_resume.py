@@ -180,6 +180,31 @@ def test_bitsandbytes_checkpoints_hold_8bit_optimizer_states(mode, reference):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("model.quantization.bits=none", "model.quantization.bits=4, this run has model.quantization.bits=none"),
+        ("model.quantization.bnb_4bit_quant_type=fp4", "bnb_4bit_quant_type=nf4, this run has model.quantization"),
+    ],
+)
+def test_resuming_a_4bit_checkpoint_with_another_quantization_is_one_error(change, named, reference, tmp_path):
+    """The adapter trained over one rounding of the base: resumed over another (full precision, FP4) it would train
+    on as if nothing changed. The checkpoint's recipe.yaml names the quantization; the resume is refused."""
+    from finetune.tools.train import train
+
+    mode = "qlora+paged_adamw_8bit"
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(reference(mode) / "checkpoint-2", out / "checkpoint-2")
+    argv = [*COMMON, *MODES[mode], change, f"train.output_dir={out}", "train.resume_from=auto"]
+    with pytest.raises(
+        RecipeError, match=r"^train\.resume_from: \S+checkpoint-2 was trained with model\.quantization\."
+    ) as e:
+        train(load_config(argv))
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.e2e
 def test_resuming_from_the_last_step_mid_epoch_trains_nothing_more(reference, tmp_path):
     from finetune.tools.train import train
 
