@@ -90,6 +90,7 @@ def recipe_options(cfg: Config, plan: RunPlan) -> dict:
         on_nonfinite=cfg.train.on_nonfinite,
         data_order_change=cfg.train.resume_data_order_change,
         merge_lora=cfg.model.lora.merge,
+        activation_offloading=cfg.train.activation_offloading,
     )
 
 

@@ -130,3 +130,40 @@ def test_the_exact_token_mean_gradient_reaches_every_optimizer_unchanged(tmp_pat
         runs[name] = [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
     assert len({steps[0] for steps in runs.values()}) == 1, runs
     assert runs["paged_adamw_8bit"] == runs["adamw_8bit"], runs  # paging moves states, never changes them
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_offloading_keeps_every_gradient_bitwise_and_offloads_the_saved_tensors(
+    checkpointing, tmp_path, monkeypatch
+):
+    """train.activation_offloading: what autograd saves in the training forward goes through torch's save_on_cpu
+    (counted here), with or without gradient checkpointing; the same values come back, so every step's loss and
+    gradient norm are bitwise those of the run without it."""
+    from finetune.tools.train import train
+
+    class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+        packed = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+
+            def counted(tensor):
+                CountingSaveOnCpu.packed += 1
+                return pack(tensor)
+
+            self.pack_hook = counted
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    runs, packed = {}, {}
+    for offloading in (False, True):
+        out = tmp_path / str(offloading)
+        argv = [DEBUG, "data.limit=16", "train.max_steps=2", f"train.gradient_checkpointing={checkpointing}"]
+        argv += [f"train.activation_offloading={offloading}", f"train.output_dir={out}", "log.wandb_mode=disabled"]
+        before = CountingSaveOnCpu.packed
+        assert train(load_config(argv)) == 0
+        packed[offloading] = CountingSaveOnCpu.packed - before
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        runs[offloading] = [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
+    assert packed[False] == 0 and packed[True] > 0, packed
+    assert runs[True] == runs[False] and len(runs[True]) == 2, runs

@@ -115,6 +115,9 @@ class TrainConfig:
         "skip", "stop", help="NaN/inf loss or gradients: skip the update (counted) or stop the run (exit 3)"
     )
     gradient_checkpointing: bool = setting(False, help="recompute activations in backward: less memory, slower")
+    activation_offloading: bool = setting(
+        False, help="keep the forward's saved activations in host memory until backward (save_on_cpu): less GPU memory"
+    )
     profile_steps: list[int] = number([], min=1, help="[first, last] optimizer steps under torch.profiler")
     sync_each_batch: bool = setting(
         False, help="reduce gradients after every micro-batch: less memory under FSDP, more traffic"
