@@ -108,6 +108,7 @@ def recipe_options(
         on_nonfinite=train.on_nonfinite,
         data_order_change=train.resume_data_order_change,
         merge_lora=model.lora.merge,
+        activation_offloading=train.activation_offloading,
     )
 
 

@@ -66,6 +66,16 @@ GOLDEN = {  # recipe → its debug-size run
             "train.max_steps=5",
         ]
     },
+    "qlora": {  # the tiny Llama quantized to 4-bit NF4 (from_config: saved, then loaded quantized)
+        "overrides": [
+            "recipe=qlora",
+            *TINY,
+            "data.limit=160",
+            "train.micro_batch_size=4",  # accumulation 2, as the recipe's 8 × 2
+            "train.global_batch_size=8",
+            "train.max_steps=5",
+        ]
+    },
     "vlm": {
         "language_model": TINY_LANGUAGE_MODEL,
         "overrides": ["recipe=vlm", *ASSEMBLED, "data.limit=64", "train.max_steps=5"],

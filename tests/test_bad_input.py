@@ -91,7 +91,7 @@ CASES = [
         lambda t: ["recipe=recipes/nope.yaml"],
         {},
         r"^error: recipe file 'recipes/nope\.yaml' not found; pass recipe=PATH to an existing YAML file, or a "
-        r"built-in recipe: bench, debug, quickstart, vlm, vlm_qwen, vlm_seed$",
+        r"built-in recipe: bench, debug, qlora, quickstart, vlm, vlm_qwen, vlm_seed$",
     ),
     (
         "recipe that is not YAML",

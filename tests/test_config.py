@@ -63,7 +63,7 @@ def test_token_budgets_state_the_global_batch_in_tokens():
 
 BAD = [
     (["recipe=recipes/nope.yaml"], "recipe file 'recipes/nope.yaml' not found"),
-    (["recipe=quikstart"], "or a built-in recipe: bench, debug, quickstart, vlm, vlm_qwen, vlm_seed"),
+    (["recipe=quikstart"], "or a built-in recipe: bench, debug, qlora, quickstart, vlm, vlm_qwen, vlm_seed"),
     ([f"recipe={DEBUG}", "train.micro_bach_size=2"], "did you mean 'train.micro_batch_size'"),
     ([f"recipe={DEBUG}", "optim.lr=fast"], "optim.lr='fast' is not a valid number"),
     (

@@ -41,6 +41,17 @@ MODES = {
     ],
     "packed": ["data.batching=packed"],
     "padded+lora": ["model.lora.enabled=true", "optim.lr=1e-2"],  # adapter_model.safetensors, PEFT's own loading
+    # bitsandbytes' 8-bit states (blockwise-quantized, their absmax and code maps) on the embedding and the MLPs
+    "adamw_8bit": ["optim.name=adamw_8bit"],
+    # a 4-bit base with LoRA of rank 64 (lora_B of gate/up: 128 × 64, big enough for 8-bit states), paged states
+    "qlora+paged_adamw_8bit": [
+        "model.quantization.bits=4",
+        "model.lora.enabled=true",
+        "model.lora.r=64",
+        "model.lora.target_modules=all-linear",
+        "optim.name=paged_adamw_8bit",
+        "optim.lr=1e-2",
+    ],
 }
 
 
@@ -126,7 +137,15 @@ def test_checkpoint_files_are_complete_safetensors_and_weights_only_loadable(ref
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "mode, start",
-    [("padded", 2), ("length_grouped", 3), ("token_budget", 1), ("packed", 3), ("padded+lora", 3)],  # 2: epoch end
+    [
+        ("padded", 2),  # 2: the epoch's end
+        ("length_grouped", 3),
+        ("token_budget", 1),
+        ("packed", 3),
+        ("padded+lora", 3),
+        ("adamw_8bit", 1),
+        ("qlora+paged_adamw_8bit", 2),
+    ],
 )
 def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp_path):
     from finetune.tools.train import train
@@ -146,6 +165,44 @@ def test_resume_equals_the_uninterrupted_run_bitwise(mode, start, reference, tmp
     assert train(load_config(argv)) == 0
     assert_same_run(out, ref)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # rotated in place
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["adamw_8bit", "qlora+paged_adamw_8bit"])
+def test_bitsandbytes_checkpoints_hold_8bit_optimizer_states(mode, reference):
+    """What the bitwise resume above restores is 8-bit: uint8 states with their blockwise absmax, loadable without
+    pickle; the adapter's weights only (the 4-bit base is not saved into a checkpoint)."""
+    folder = reference(mode) / "checkpoint-2"
+    state = torch.load(folder / "optimizer.pt", weights_only=True)["state"]
+    packed = [s["__bnb_optimizer_quant_state__"] for s in state.values()]
+    assert any(s["state1"].dtype == torch.uint8 and s["absmax1"].dtype == torch.float32 for s in packed)
+    if mode.startswith("qlora"):
+        assert (folder / "adapter_model.safetensors").is_file() and not (folder / "model.safetensors").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("model.quantization.bits=none", "model.quantization.bits=4, this run has model.quantization.bits=none"),
+        ("model.quantization.bnb_4bit_quant_type=fp4", "bnb_4bit_quant_type=nf4, this run has model.quantization"),
+    ],
+)
+def test_resuming_a_4bit_checkpoint_with_another_quantization_is_one_error(change, named, reference, tmp_path):
+    """The adapter trained over one rounding of the base: resumed over another (full precision, FP4) it would train
+    on as if nothing changed. The checkpoint's recipe.yaml names the quantization; the resume is refused."""
+    from finetune.tools.train import train
+
+    mode = "qlora+paged_adamw_8bit"
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(reference(mode) / "checkpoint-2", out / "checkpoint-2")
+    argv = [*COMMON, *MODES[mode], change, f"train.output_dir={out}", "train.resume_from=auto"]
+    with pytest.raises(
+        RecipeError, match=r"^train\.resume_from: \S+checkpoint-2 was trained with model\.quantization\."
+    ) as e:
+        train(load_config(argv))
+    assert named in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.e2e

@@ -85,6 +85,34 @@ def test_passes_on_packed_budgeted_rows_with_lora(capsys):
     assert groups == ["model.layers.0", "model.layers.1"]  # q_proj/v_proj LoRA weights only
 
 
+TINY = [  # recipes/debug.yaml's model (scripts/record_golden.py's TINY): SmolLM2's config shrunk, random init
+    "model.from_config=true",
+    "model.config_overrides.hidden_size=64",
+    "model.config_overrides.intermediate_size=128",
+    "model.config_overrides.num_hidden_layers=2",
+    "model.config_overrides.num_attention_heads=4",
+    "model.config_overrides.num_key_value_heads=2",
+]
+
+
+@pytest.mark.e2e
+def test_passes_on_the_qlora_recipe_over_its_dequantized_base(capsys):
+    """recipes/qlora.yaml at test size (4-bit NF4 base, LoRA on every linear layer, paged 8-bit AdamW, gradient
+    checkpointing, packed rows): the reference runs in float64 over bitsandbytes' own dequantization of the 4-bit
+    weights, and the applied gradient is within the floor of the brute force in the run's own arithmetic."""
+    code = verify.main(["recipe=recipes/qlora.yaml", *TINY, "data.limit=32", "train.micro_batch_size=4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert max(errors_in(out)) <= 2 * max(floors_in(out)) and max(errors_in(out)) <= 1e-5, out
+    groups = re.findall(r"^    (\S+)\s+\S+\s+\(‖reference‖", out, flags=re.M)
+    assert groups == ["model.layers.0", "model.layers.1"]  # the adapters only: the 4-bit base is frozen
+
+
+def test_an_8bit_base_is_refused_by_verify_in_one_line():
+    with pytest.raises(RecipeError, match=r"^finetune\.verify: model\.quantization\.bits=8 \(LLM\.int8\) rounds"):
+        verify.check_verifiable(load_config([DEBUG, "model.quantization.bits=8", "model.lora.enabled=true"]))
+
+
 @pytest.mark.e2e
 def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     """A check that can fail: the classic bug (mean of micro-batch means) is reported far above tolerance."""

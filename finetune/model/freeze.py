@@ -105,6 +105,10 @@ def check_lora(cfg: ModelConfig, folder: str, vision: bool) -> None:
     full precision (a merged quantized base would be dequantized weights plus a delta, not the model that trained);
     all-linear is for text models (a VLM's LoRA stays inside its language model, by module names)."""
     lora = cfg.lora
+    if cfg.quantization.bits != "none":
+        from finetune.model.quantized import check_folder_quantization
+
+        check_folder_quantization(cfg, quantization(folder, cfg.trust_remote_code))
     if lora.merge and not lora.enabled:
         raise RecipeError("model.lora.merge=true needs model.lora.enabled=true (it merges the trained adapter)")
     if vision and lora.enabled and lora_targets(lora.target_modules) == ALL_LINEAR:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from finetune.env import cache_dir
 from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, commit, folder_problems
 from finetune.model.freeze import add_lora, freeze
+from finetune.model.quantized import load_options, prepare_kbit, quantize_built
 from finetune.recipe import ModelConfig, RecipeError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,11 +179,15 @@ def load_model(cfg: ModelConfig, folder: str):
                 setattr(config, key, value)
             config._attn_implementation = cfg.attn_implementation
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
+            attn = dict(attn_implementation=cfg.attn_implementation, **common)
+            model = quantize_built(
+                model, cfg, lambda path, **q: AutoModelForCausalLM.from_pretrained(path, **q, **attn)
+            )
         else:
             if cfg.config_overrides:
                 raise RecipeError("model.config_overrides needs model.from_config=true (it changes the architecture)")
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, attn_implementation=cfg.attn_implementation, **common
+                folder, dtype=dtype, attn_implementation=cfg.attn_implementation, **load_options(cfg), **common
             )
     except RecipeError:
         raise
@@ -198,6 +203,7 @@ def load_model(cfg: ModelConfig, folder: str):
             f"model.name_or_path={cfg.name_or_path}: the model cannot be built ({why}); check "
             f"{keys}model.attn_implementation and model.dtype"
         ) from None
+    model = prepare_kbit(model, cfg)  # a quantized base: checked quantized, frozen, its float parameters in float32
     freeze(model, cfg.freeze)
     if cfg.lora.enabled:
         model = add_lora(model, cfg)

@@ -21,6 +21,7 @@ from finetune.model.image_rows import check_packing, forward_inputs
 from finetune.model.llava import IMAGE_TOKEN
 from finetune.model.loading import DTYPES
 from finetune.model.processors import auto_processor
+from finetune.model.quantized import load_options, prepare_kbit
 from finetune.recipe import DataConfig, ModelConfig, RecipeError, RunPlan, first_line
 
 SHAPES = "shapes_captions"
@@ -93,12 +94,13 @@ def load_vlm(cfg: ModelConfig, folder: str, processor):
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
+            **load_options(cfg, vision=True),
         )
     except (OSError, ValueError) as e:
         raise RecipeError(
             f"model.name_or_path={cfg.name_or_path}: cannot load as an image+text model ({first_line(e)})"
         ) from None
-    return prepare_vlm(model, cfg, processor)
+    return prepare_vlm(prepare_kbit(model, cfg), cfg, processor)
 
 
 def prepare_vlm(model, cfg: ModelConfig, processor):

@@ -10,7 +10,7 @@ from finetune import env
 from finetune.recipe.batch_modes import Batching
 from finetune.recipe.bounds import check_numbers
 from finetune.recipe.fields import RecipeError
-from finetune.recipe.schema import CHOICES, Config, DataConfig, ModelConfig, TrainConfig, choice_error
+from finetune.recipe.schema import CHOICES, Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, choice_error
 from finetune.recipe.set_checks import check_batching, check_eval, check_mixture, training_batching
 
 
@@ -75,6 +75,30 @@ def check_optim_and_schedule(config: Config) -> None:
         )
 
 
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw")  # optim.name choices that bitsandbytes provides
+
+
+def check_quantization(model: ModelConfig, optim: OptimConfig) -> None:
+    """model.quantization and the bitsandbytes optimizers against each other and the installed packages."""
+    bits = model.quantization.bits
+    if bits != "none" and not model.lora.enabled:
+        raise RecipeError(
+            f"model.quantization.bits={bits}: the quantized base weights cannot train; set model.lora.enabled=true "
+            "(QLoRA: adapters over the quantized base) or model.quantization.bits=none"
+        )
+    if bits != "none" and model.lora.merge:
+        raise RecipeError(
+            f"model.lora.merge=true with model.quantization.bits={bits}: the merge would add the adapter to rounded "
+            "base weights, not the full-precision base; set model.lora.merge=false (the adapter is saved) and merge "
+            "it into the full-precision base with peft"
+        )
+    needs = "model.quantization.bits=" + bits if bits != "none" else None
+    if optim.name in BNB_OPTIMIZERS:
+        needs = f"optim.name={optim.name}"
+    if needs and importlib.util.find_spec("bitsandbytes") is None:
+        raise RecipeError(f"{needs} needs bitsandbytes, which is not installed; pip install bitsandbytes")
+
+
 def check_config(config: Config) -> None:
     """Every cross-field rule of a loaded recipe; the first broken one is a RecipeError in the user's key names."""
     check_choices(config)
@@ -86,6 +110,7 @@ def check_config(config: Config) -> None:
     check_batching(training_batching(config), config.data.max_length, config.data.streaming)
     check_mixture(config.data)
     check_optim_and_schedule(config)
+    check_quantization(config.model, config.optim)
     check_eval(config)
     if config.train.precision == "fp16" and config.model.dtype != "float32":
         raise RecipeError(

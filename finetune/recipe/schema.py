@@ -33,6 +33,22 @@ class LoraConfig:
 
 
 @dataclass
+class QuantizationConfig:
+    """A quantized base (bitsandbytes through transformers' BitsAndBytesConfig; needs model.lora): docs/qlora.md."""
+
+    bits: str = one_of("none", "4", "8", help="the base in 4-bit (QLoRA) or 8-bit (LLM.int8); none: model.dtype")
+    bnb_4bit_quant_type: str = one_of("nf4", "fp4", help="the 4-bit data type: NormalFloat4 (QLoRA's) or FP4")
+    bnb_4bit_use_double_quant: bool = setting(True, help="quantize the 4-bit blocks' scales too (~0.4 bit/param)")
+    bnb_4bit_compute_dtype: str = one_of(
+        "auto", "float32", "bfloat16", "float16", help="the dtype a 4-bit layer dequantizes to and multiplies in"
+    )
+    llm_int8_skip_modules: list[str] | None = setting(
+        None,
+        help="module names left unquantized; None: the output head (and a VLM's vision tower and projector)",
+    )
+
+
+@dataclass
 class ModelConfig:
     """The model and its tokenizer: where they come from and how they load."""
 
@@ -53,6 +69,7 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, help="let transformers run the model repository's own code")
     freeze: list[str] = setting([], help="module-name prefixes whose parameters do not train")
     lora: LoraConfig = section(LoraConfig)
+    quantization: QuantizationConfig = section(QuantizationConfig)
     # Set to assemble a VLM: this language model + a vision tower built from this config (random init, cached once);
     # model_type picks which (siglip_vision_model, the default: a LLaVA; qwen2_5_vl: a Qwen2.5-VL), the other keys are
     # that tower config's fields. Empty: a VLM name_or_path (hub id or folder) is used as it is.
@@ -102,6 +119,9 @@ class TrainConfig:
         "skip", "stop", help="NaN/inf loss or gradients: skip the update (counted) or stop the run (exit 3)"
     )
     gradient_checkpointing: bool = setting(False, help="recompute activations in backward: less memory, slower")
+    activation_offloading: bool = setting(
+        False, help="keep the forward's saved activations in host memory until backward (save_on_cpu): less GPU memory"
+    )
     profile_steps: list[int] = number([], min=1, help="[first, last] optimizer steps under torch.profiler")
     sync_each_batch: bool = setting(
         False, help="reduce gradients after every micro-batch: less memory under FSDP, more traffic"
@@ -116,11 +136,22 @@ class TrainConfig:
 class OptimConfig:
     """The optimizer and its learning rate."""
 
-    name: str = one_of("adamw", "sgd", "lamb", "lars", help="the optimizer")
+    name: str = one_of(
+        "adamw",
+        "sgd",
+        "lamb",
+        "lars",
+        "adamw_8bit",
+        "paged_adamw_8bit",
+        "paged_adamw",
+        help="the optimizer; adamw_8bit, paged_adamw_8bit, paged_adamw: bitsandbytes' (docs/qlora.md)",
+    )
     lr: float = number(1e-4, min=0, min_exclusive=True, help="peak learning rate (before optim.lr_scaling)")
     weight_decay: float = number(0.0, min=0, help="weight decay (none on biases, norms, embeddings)")
-    betas: list[float] = number([0.9, 0.999], min=0, max=1, max_exclusive=True, count=2, help="Adam betas: adamw, lamb")
-    eps: float = number(1e-8, min=0, help="added to the denominator: adamw, lamb")
+    betas: list[float] = number(
+        [0.9, 0.999], min=0, max=1, max_exclusive=True, count=2, help="Adam betas: adamw*, lamb"
+    )
+    eps: float = number(1e-8, min=0, help="added to the denominator: adamw*, lamb")
     momentum: float = number(0.9, min=0, max=1, max_exclusive=True, help="momentum: sgd, lars")
     trust_coefficient: float = number(0.001, min=0, min_exclusive=True, help="lars' trust coefficient")
     lr_scaling: str = one_of(

@@ -102,6 +102,15 @@ def split_args(argv: list[str]) -> tuple[list[str], int, float | None]:
     return rest, given.get("steps", 1), given.get("tolerance")
 
 
+def check_verifiable(cfg: Config) -> None:
+    """What verify cannot check: an 8-bit base (a 4-bit one is checked over its dequantized weights)."""
+    if cfg.model.quantization.bits == "8":
+        raise RecipeError(
+            "finetune.verify: model.quantization.bits=8 (LLM.int8) rounds each matmul's activations to 8 bits "
+            "too, which no float reference replays; verify with model.quantization.bits=4 or none"
+        )
+
+
 def tolerance_for(cfg: Config) -> tuple[float, str]:
     """The tolerance of the lowest precision the step runs in (mixed precision or the weights' own dtype)."""
     precision = max((cfg.train.precision, PRECISION_OF_DTYPE[cfg.model.dtype]), key=TOLERANCES.get)
@@ -136,10 +145,12 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
     import psutil
     import torch
 
+    from finetune.model.quantized import dequantize_base
     from finetune.testing.reference import window_gradient
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
     model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
+    model = dequantize_base(model)  # a 4-bit base: the dequantized weights its forward multiplied by, as plain floats
     trainer.release_training_state()
     gc.collect()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -265,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         rest, steps, tolerance = split_args(argv)
         cfg = load_config(rest)
+        check_verifiable(cfg)
         default_tolerance, precision = tolerance_for(cfg)
         checks = run(cfg, steps)
         if not is_main_process():

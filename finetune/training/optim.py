@@ -1,4 +1,5 @@
-"""Optimizers from the recipe: parameter groups, AdamW and SGD from torch, LAMB and LARS.
+"""Optimizers from the recipe: parameter groups, AdamW and SGD from torch, LAMB and LARS, bitsandbytes' 8-bit and
+paged AdamW.
 
 Groups: biases, norm weights and embeddings get no weight decay (and, in LAMB/LARS, no trust ratio); module-name
 prefixes in `optim.lr_multipliers` scale a group's LR. Every group's "lr" is its peak LR; schedules multiply it.
@@ -20,6 +21,9 @@ from finetune.model.freeze import matches_prefix
 from finetune.recipe import OptimConfig, RecipeError, choice_error
 
 NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")
+# optim.name -> bitsandbytes' class: AdamW with 8-bit blockwise-quantized states (tensors of 4096+ elements; smaller
+# ones keep 32-bit states), and paged states (CUDA unified memory; plain host tensors on a CPU)
+BNB_ADAMW = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit", "paged_adamw": "PagedAdamW"}
 
 
 def is_exempt(module: nn.Module, param_name: str) -> bool:
@@ -241,4 +245,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, grad_scaled: 
         return LAMB(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "lars":
         return LARS(groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
+    if cfg.name in BNB_ADAMW:
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, BNB_ADAMW[cfg.name])(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
     raise choice_error("optim.name", cfg.name)

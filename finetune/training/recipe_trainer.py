@@ -101,6 +101,7 @@ class RecipeTrainer(TokenNormTrainer):
         data_order_change: str = "error",
         eval_setup: eval_metrics.EvalSetup | None = None,
         merge_lora: bool = False,
+        activation_offloading: bool = False,
         run_files: Sequence = (),
         reports: reporting.RunReports | None = None,
         eval_callbacks: eval_metrics.EvalCallbacks | None = None,
@@ -112,6 +113,7 @@ class RecipeTrainer(TokenNormTrainer):
         self.nonfinite_skipped = 0  # optimizer steps without an update: non-finite values, or fp16 GradScaler overflow
         self.eval_setup = eval_setup
         self.merge_lora = merge_lora  # model.lora.merge: the final save and best/ hold the merged model (lora_merge.py)
+        self.activation_offloading = activation_offloading  # train.activation_offloading
         self.run_files = run_files  # each has files_for_checkpoint(): {file name: text}
         self.reports, self.eval_callbacks = reports, eval_callbacks  # held by name for what reads them
         self.eval_speeds: list[float] = []  # eval tokens/s of this process's evaluations
@@ -381,6 +383,15 @@ class RecipeTrainer(TokenNormTrainer):
                 with self.meter.paused():  # training tokens/s skip the save
                     best_model.save_best(self)
         return new_best
+
+    def compute_loss_context_manager(self):
+        """The forward's context (autocast); with train.activation_offloading also torch's save_on_cpu: every tensor
+        autograd saves in the forward (under gradient checkpointing: each checkpointed block's inputs) is copied to
+        host memory (pinned on a GPU) and back in backward. The same values, so the same gradients bitwise."""
+        stack = super().compute_loss_context_manager()
+        if self.activation_offloading and torch.is_grad_enabled():
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()))
+        return stack
 
     def create_optimizer(self, model=None):
         from finetune.training.optim import build_optimizer

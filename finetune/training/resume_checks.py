@@ -133,6 +133,7 @@ KEY_RULES = (
             "train.on_nonfinite",
             "train.profile_steps",
             "train.gradient_checkpointing",
+            "train.activation_offloading",
             "train.sync_each_batch",
             "train.compile_layers",
             "log.",

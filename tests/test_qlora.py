@@ -1,0 +1,169 @@
+"""A quantized base (model.quantization: bitsandbytes 4-bit and 8-bit through transformers' BitsAndBytesConfig) with
+LoRA, and bitsandbytes' 8-bit and paged AdamW (optim.name): what loads is quantized, what trains is exact, and every
+bad setting is one line naming its key, before the model loads. All on the CPU (bitsandbytes' CPU backend)."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+
+from finetune.model import loading
+from finetune.model.freeze import check_lora
+from finetune.recipe import RecipeError, load_config
+from tests.launch import ROOT
+
+DEBUG = f"recipe={ROOT / 'recipes' / 'debug.yaml'}"
+QLORA = [DEBUG, "model.quantization.bits=4", "model.lora.enabled=true", "model.lora.target_modules=all-linear"]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def loaded(argv: list[str]):
+    cfg = load_config(argv)
+    return loading.load_model(cfg.model, loading.model_folder(cfg.model))
+
+
+@pytest.mark.parametrize(
+    "bits, kind, weight_dtype",
+    [("4", "Linear4bit", torch.uint8), ("8", "Linear8bitLt", torch.int8)],
+)
+def test_every_linear_layer_of_the_base_is_quantized_and_only_the_adapters_train(bits, kind, weight_dtype):
+    """Nothing trains in full precision when 4-bit (or 8-bit) was asked: each of the base's linear layers under the
+    adapter IS bitsandbytes' quantized layer; the head stays in model.dtype; only lora_A/lora_B train."""
+    model = loaded([*QLORA, f"model.quantization.bits={bits}"])
+    base = model.get_base_model()
+    layers = [(n, m) for n, m in base.named_modules() if n.endswith(LINEARS) and hasattr(m, "base_layer")]
+    assert len(layers) == 2 * len(LINEARS)  # the debug model's two decoder layers
+    for name, module in layers:
+        assert type(module.base_layer).__name__ == kind, name
+        assert module.base_layer.weight.dtype == weight_dtype and not module.base_layer.weight.requires_grad
+    assert isinstance(base.lm_head, torch.nn.Linear) and base.lm_head.weight.dtype == torch.float32
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert (
+        getattr(base, f"is_loaded_in_{bits}bit")
+        and base.hf_quantizer.quantization_config.quant_method == "bitsandbytes"
+    )
+
+
+def test_the_4bit_keys_reach_bitsandbytes():
+    model = loaded(
+        [*QLORA, "model.quantization.bnb_4bit_quant_type=fp4", "model.quantization.bnb_4bit_use_double_quant=false"]
+    )
+    weight = model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight
+    assert weight.quant_state.quant_type == "fp4" and weight.quant_state.nested is False
+    model = loaded(QLORA)  # the defaults: NF4, double quantization (the absmax scales quantized too)
+    weight = model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight
+    assert weight.quant_state.quant_type == "nf4" and weight.quant_state.nested is True
+
+
+# ---- bad settings: one line naming the key, before the model loads ----
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [DEBUG, "model.quantization.bits=4"],
+            r"^model\.quantization\.bits=4: the quantized base weights cannot train; set model\.lora\.enabled=true",
+        ),
+        (
+            [*QLORA, "model.lora.merge=true"],
+            r"^model\.lora\.merge=true with model\.quantization\.bits=4: .*set model\.lora\.merge=false",
+        ),
+        ([DEBUG, "model.quantization.bits=2"], r"^model\.quantization\.bits='2' is not one of none, 4, 8"),
+        (
+            [*QLORA, "model.quantization.bnb_4bit_quant_type=nf3"],
+            r"^model\.quantization\.bnb_4bit_quant_type='nf3' is not one of nf4, fp4",
+        ),
+        ([DEBUG, "optim.name=adamw8bit"], r"^optim\.name='adamw8bit' is not one of .*did you mean 'adamw_8bit'\?"),
+    ],
+)
+def test_a_bad_quantization_setting_is_one_error_naming_the_key(argv, message):
+    with pytest.raises(RecipeError, match=message) as error:
+        load_config(argv)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [([DEBUG, "optim.name=paged_adamw_8bit"], "optim.name=paged_adamw_8bit"), (QLORA, "model.quantization.bits=4")],
+)
+def test_bitsandbytes_missing_is_one_error_naming_the_key_and_the_install(argv, key, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    with pytest.raises(
+        RecipeError, match=rf"^{key} needs bitsandbytes, which is not installed; pip install bitsandbytes$"
+    ):
+        load_config(argv)
+
+
+def test_a_base_that_is_already_quantized_is_refused_before_it_loads(tmp_path):
+    """A folder whose config.json names a quantization (GPTQ, AWQ, bitsandbytes…): bitsandbytes would quantize
+    nothing or fail deep inside transformers; one line instead, from the folder's config alone."""
+    cfg = load_config(QLORA)
+    folder = tmp_path / "gptq"
+    shutil.copytree(loading.model_folder(cfg.model), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(
+        RecipeError, match=r"^model\.quantization\.bits=4: model\.name_or_path=\S+ is already quantized \(gptq\)"
+    ):
+        check_lora(cfg.model, str(folder), vision=False)
+
+
+def test_the_exact_token_mean_gradient_reaches_every_optimizer_unchanged(tmp_path):
+    """The optimizer takes the gradient, never makes it: step 1's loss and gradient norm are bitwise the same under
+    torch's AdamW and each bitsandbytes AdamW, on the same 4-bit base; paged states (host memory on a CPU) are the
+    same states, so step 2 is the same too."""
+    from finetune.tools.train import train
+
+    runs = {}
+    for name in ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw"):
+        out = tmp_path / name
+        argv = [*QLORA, "model.lora.r=64", f"optim.name={name}", "optim.lr=1e-2", "train.max_steps=2"]
+        assert train(load_config([*argv, "data.limit=16", f"train.output_dir={out}", "log.wandb_mode=disabled"])) == 0
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        runs[name] = [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
+    assert len({steps[0] for steps in runs.values()}) == 1, runs
+    assert runs["paged_adamw_8bit"] == runs["adamw_8bit"], runs  # paging moves states, never changes them
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_offloading_keeps_every_gradient_bitwise_and_offloads_the_saved_tensors(
+    checkpointing, tmp_path, monkeypatch
+):
+    """train.activation_offloading: what autograd saves in the training forward goes through torch's save_on_cpu
+    (counted here), with or without gradient checkpointing; the same values come back, so every step's loss and
+    gradient norm are bitwise those of the run without it."""
+    from finetune.tools.train import train
+
+    class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+        packed = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+
+            def counted(tensor):
+                CountingSaveOnCpu.packed += 1
+                return pack(tensor)
+
+            self.pack_hook = counted
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    runs, packed = {}, {}
+    for offloading in (False, True):
+        out = tmp_path / str(offloading)
+        argv = [DEBUG, "data.limit=16", "train.max_steps=2", f"train.gradient_checkpointing={checkpointing}"]
+        argv += [f"train.activation_offloading={offloading}", f"train.output_dir={out}", "log.wandb_mode=disabled"]
+        before = CountingSaveOnCpu.packed
+        assert train(load_config(argv)) == 0
+        packed[offloading] = CountingSaveOnCpu.packed - before
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        runs[offloading] = [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
+    assert packed[False] == 0 and packed[True] > 0, packed
+    assert runs[True] == runs[False] and len(runs[True]) == 2, runs
