@@ -222,7 +222,8 @@ CLI_CASES = [
     (
         "argument not UTF-8",
         lambda t: [os.fsdecode(b"optim.name=adam\xff")],
-        r"optim\.name='adam\\udcff' is not one of adamw, sgd, lamb, lars; did you mean 'adamw'\?",
+        r"optim\.name='adam\\udcff' is not one of adamw, sgd, lamb, lars, adamw_8bit, paged_adamw_8bit, paged_adamw; "
+        r"did you mean 'adamw'\?",
     ),
 ]
 if not torch.cuda.is_available():  # refused before the model loads: Liger's kernels are triton GPU kernels

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.recipe import load_config
-from finetune.training.recipe_trainer import RecipeTrainer, nonfinite_verdict
+from finetune.training.nonfinite import nonfinite_verdict
+from finetune.training.recipe_trainer import RecipeTrainer
 
 COMMON = [
     "recipe=recipes/debug.yaml",

@@ -245,7 +245,11 @@ def test_warmup_cosine_with_accumulation_through_the_script(tmp_path):
 BAD = [
     (["schedule.name=onecycle", "schedule.pct_start=1.5"], "schedule.pct_start=1.5 must be in (0, 1)"),
     (["schedule.name=onecycle", "schedule.pct_start=0"], "schedule.pct_start=0.0 must be in (0, 1)"),
-    (["optim.name=lamb2"], "optim.name='lamb2' is not one of adamw, sgd, lamb, lars; did you mean 'lamb'?"),
+    (
+        ["optim.name=lamb2"],
+        "optim.name='lamb2' is not one of adamw, sgd, lamb, lars, adamw_8bit, paged_adamw_8bit, paged_adamw; "
+        "did you mean 'lamb'?",
+    ),
     (["schedule.name=cosine"], "schedule.name='cosine' is not one of"),
     (["optim.lr_scaling=sqrt"], "optim.lr_scaling=sqrt needs optim.base_batch_size"),
     (["optim.lr_scaling=linear", "optim.base_batch_size=0"], "needs optim.base_batch_size"),

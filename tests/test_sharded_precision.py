@@ -169,7 +169,7 @@ def test_verdict_before_the_last_backward_vetoes_that_step_and_not_the_next(tmp_
 
 @pytest.mark.e2e
 def test_stop_before_the_last_backward(tmp_path):
-    from finetune.training.recipe_trainer import NonFiniteError
+    from finetune.training.nonfinite import NonFiniteError
 
     trainer = deepspeed_like_run(tmp_path, "stop")
     with pytest.raises(NonFiniteError, match="optimizer step 2: the loss is not finite"):
