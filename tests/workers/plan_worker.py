@@ -1,10 +1,12 @@
-"""A fresh process, as `finetune-plan` runs: the plan for recipes/debug.yaml at global batch 32 given just less memory
-than a step at micro-batch 32 takes; prints one JSON line of what tests/test_plan.py checks.
+"""A fresh process, as `finetune-plan` runs: the plan for a recipe (recipes/debug.yaml unless given as arguments:
+`recipe=… key=value …`) at global batch 32 given just less memory than a step at micro-batch 32 takes; prints one JSON
+line of what tests/test_plan.py checks.
 
 In a long test process freed heap stays resident, so the RSS before a trial step (which the CPU plan counts) carries
 other tests' leftovers; a process of its own measures what a user's plan would."""
 
 import json
+import sys
 
 from finetune.recipe import load_config
 from finetune.tools import memory_trials
@@ -28,7 +30,8 @@ def step_high_water_mark(trials, value) -> float:
 
 
 def main() -> None:
-    cfg = load_config(["recipe=recipes/debug.yaml", "train.global_batch_size=32"])
+    recipe = sys.argv[1:] or ["recipe=recipes/debug.yaml"]
+    cfg = load_config([*recipe, "train.global_batch_size=32"])
     trials = memory_trials.Trials(cfg, 1)
     memory = step_high_water_mark(trials, 32) - 2**20
     result = planner.plan(cfg, 1, headroom=0.1, memory_gib=memory / GIB, trials=trials)
