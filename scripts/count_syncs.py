@@ -134,6 +134,7 @@ def modelled(trainer, steps: int, recipe_args: list[str]) -> dict:
     mean = sum(per_step.values()) / max(len(per_step), 1)
     return {
         "device": "cpu (CUDA syncs modelled)",
+        "cuda_syncs_per_step": None,  # no CUDA here: the modelled count below stands in
         "steps": len(per_step),
         "micro_batches_per_step": micro_batches,
         "modelled_syncs_per_step": mean,
