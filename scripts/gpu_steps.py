@@ -154,11 +154,10 @@ def vlm(s: Sizing, recipe: str = "recipes/vlm_seed.yaml", name: str = "vlm_bf16"
     scripts/random_weights.py into DIR/smollm2-random): samples/s does not depend on the weights' values."""
     path = str(s.out / f"{name.removesuffix('_bf16')}.json")
     command = [PY, "scripts/bench_vlm.py", "--recipe", recipe, "--device", "cuda" if s.cuda else "cpu", "--json", path]
-    if s.smoke:
-        command += ["--quick", "--micro-batch", "2", "--accumulation", "1"]
+    if s.smoke:  # that the step runs and reports; fp32: a CPU without bf16 instructions emulates bf16 matmuls
+        command += ["--quick", "--micro-batch", "2", "--accumulation", "1", "train.precision=fp32"]
     else:
-        command += ["--micro-batch", "32", "--accumulation", "4", "--steps", "4"]
-    command += ["train.precision=bf16"]
+        command += ["--micro-batch", "32", "--accumulation", "4", "--steps", "4", "train.precision=bf16"]
     before = None
     if s.model_folder:
         random_lm = str(s.out / "smollm2-random")
