@@ -147,13 +147,14 @@ def _syncs(s: dict) -> list[str]:
             f"- CUDA runtime syncs: {cuda:.1f} per step (bound {f['bound_per_step']}: "
             f"{'within' if f['within_bound'] else 'above'}); {f['cuda_syncs']}"
         )
-    lines += [
-        f"- syncing aten ops: {f['syncing_ops_per_step']:.1f} per step; {f['syncing_ops']}",
-        "",
-        f"command: `{s['command']}`",
-        "",
-    ]
-    return lines
+    if "modelled_syncs_per_step" in f:  # a CPU: the syncs a CUDA run would make (finetune/testing/host_syncs.py)
+        lines.append(
+            f"- modelled CUDA syncs: {f['modelled_syncs_per_step']:.1f} per step (bound {f['bound_per_step']}); "
+            f"{f['modelled_syncs_by_step']}"
+        )
+    else:
+        lines.append(f"- syncing aten ops: {f['syncing_ops_per_step']:.1f} per step; {f['syncing_ops']}")
+    return [*lines, "", f"command: `{s['command']}`", ""]
 
 
 def _profile(s: dict) -> list[str]:
