@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from profile_summary import markdown, summarize  # beside this script
+from profile_summary import summarize, write  # beside this script
 
 PROFILED = 2  # the optimizer step under the profiler
 
@@ -37,10 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = Path(args.work) / f"profile_steps_{PROFILED}-{PROFILED}.trace.json"
     summary = summarize(json.loads(trace.read_text()), 1, accumulation_steps(cfg, 1))
     summary["recipe"] = [*overrides, *keys]
-    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(summary))
-    print(markdown(summary))
+    write(summary, args.json, args.markdown)
     return 0
 
 

@@ -178,6 +178,15 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def write(summary: dict, json_path: str | None, markdown_path: str | None) -> None:
+    """The summary as JSON and markdown where asked, and the markdown on stdout."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=1) + "\n")
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(summary))
+    print(markdown(summary))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a Chrome trace from torch.profiler (profile_steps_A-B.trace.json)")
@@ -186,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the summary here")
     parser.add_argument("--markdown", help="write the markdown summary here")
     args = parser.parse_args(argv)
-    summary = summarize(json.loads(Path(args.trace).read_text()), args.steps, args.micro_batches)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(summary))
-    print(markdown(summary))
+    write(summarize(json.loads(Path(args.trace).read_text()), args.steps, args.micro_batches), args.json, args.markdown)
     return 0
 
 
