@@ -81,12 +81,14 @@ class RssSampler(threading.Thread):
 
 
 class Clock:
-    """Forward pre-hook counting computed and real tokens; `mark()` at the end of every optimizer step records wall
-    time (and a CUDA event), CPU time and the counts. Nothing here waits for the device until `result()`."""
+    """Counts computed and real tokens of every training micro-batch as the trainer receives it (the hand loop calls it
+    per forward); `mark()` at the end of every optimizer step records wall time (and a CUDA event), CPU time and the
+    counts. Nothing here waits for the device until `result()`."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.computed = cuda, 0
         self.real = torch.zeros((), dtype=torch.int64, device="cuda" if cuda else "cpu")  # summed on the device
+        self.real_on_host = 0
         self.matmul_params: int | None = None
         self.marks: list[tuple] = []
         self.mark()
@@ -100,8 +102,10 @@ class Clock:
             return
         self.computed += tokens.numel()  # the shape: host metadata, no sync
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
-            self.real += mask.sum().to(self.real.device, non_blocking=True)  # stays on the device
+        if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape and self.cuda and mask.device.type == "cpu":
+            self.real_on_host += int(mask.sum())  # a batch still on the host (ours waits there): no device copy
+        elif isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
+            self.real += mask.sum()  # stays on the device
         else:
             self.real += tokens.numel()
 
@@ -111,8 +115,11 @@ class Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self.marks.append(
-            (time.perf_counter(), time.process_time(), machine_busy(), event, self.real.clone(), self.computed)
+            (time.perf_counter(), time.process_time(), machine_busy(), event, self._real(), self.computed)
         )
+
+    def _real(self) -> tuple[torch.Tensor, int]:
+        return self.real.clone(), self.real_on_host
 
     def result(self, warmup: int) -> dict:
         if self.cuda:
@@ -121,7 +128,7 @@ class Clock:
         seconds = e0.elapsed_time(e1) / 1000 if self.cuda else t1 - t0
         cores = os.cpu_count() or 1
         others = max(0.0, (b1 - b0) - (p1 - p0)) / max((t1 - t0) * cores, 1e-9)  # of the machine's CPU time
-        r0, r1 = int(r0), int(r1)
+        r0, r1 = int(r0[0]) + r0[1], int(r1[0]) + r1[1]
         return {
             "seconds": seconds,
             "cpu_seconds": p1 - p0,
@@ -142,7 +149,15 @@ class Clock:
         for quiet in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(quiet)
         trainer.add_callback(type("StepClock", (TrainerCallback,), {"on_step_end": self.mark})())
-        trainer.model.register_forward_pre_hook(self, with_kwargs=True)
+        # counted from each micro-batch as the trainer receives it: what a model's forward gets can differ (ours
+        # trains right padding without its mask)
+        train_step = trainer.training_step
+
+        def counted_step(model, inputs, *args, **kwargs):
+            self(model, (), inputs)
+            return train_step(model, inputs, *args, **kwargs)
+
+        trainer.training_step = counted_step
         self.matmul_params = matmul_parameters(trainer.model)
 
 

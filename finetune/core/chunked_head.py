@@ -6,7 +6,8 @@ returns its head's output unchanged the head and cross-entropy run in chunks on 
 logits never exist whole (finetune/core/loss.py `head_cross_entropy_sum`). The first training forward finds out
 whether the model allows it; after that, the kept positions are an integer index made on the host from the
 micro-batch's labels before it moves, where a boolean mask on the device would read its count back to the host in
-the forward and again in the backward.
+the forward and again in the backward; a micro-batch whose mask only hides right padding without targets is run
+without it (decided on the host as well: finetune/core/heads.py `ForwardTakes.unmasks_right_padding`).
 
 Imports nothing of the package but `heads` and `loss`.
 """
@@ -36,16 +37,22 @@ class ChunkedHead:
         self.dtype = dtype
         # (targets' shape, flat kept positions on the device) of the micro-batch being trained, taken by its forward
         self._positions: tuple | None = None
+        self._unmasked = False  # whether that forward leaves out the mask of its right padding (ForwardTakes)
 
     def in_use(self) -> bool:
         return isinstance(self.head, torch.nn.Module)
 
     def hold_positions(
-        self, targets: torch.Tensor | None, pinned: bool, to_device: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        targets: torch.Tensor | None,
+        pinned: bool,
+        unmasked: bool,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """Before a training micro-batch: its kept positions from its targets while they are on the host (copied
-        without blocking, pinned where the batch is), once the chunked head is in use; None lets them go."""
-        self._positions = None
+        without blocking, pinned where the batch is), once the chunked head is in use, and whether its forward leaves
+        out its attention mask; None lets them go."""
+        self._positions, self._unmasked = None, unmasked
         if targets is None or not self.in_use() or targets.device.type != "cpu":
             return
         index = kept_positions(targets)
@@ -57,6 +64,9 @@ class ChunkedHead:
         """(outputs, the kept positions' hidden states, the flat positions they were taken from where made on the
         host, else None) of a training forward whose `forward` keeps logits where a target is; (outputs, None, None)
         where the model's own logits are used."""
+        if self._unmasked:  # decided on the host for this micro-batch, taken once
+            self._unmasked = False
+            del forward["attention_mask"]
         if self.head is None:
             if not forward["logits_to_keep"].any():
                 return model(**forward), None, None

@@ -21,6 +21,7 @@ from transformers.loss.loss_utils import (
 )
 from transformers.trainer_utils import unwrap_peft_model
 
+from finetune.core.labels import IGNORE_INDEX
 from finetune.core.loss import CAUSAL_LM, SAMPLE, SEQ2SEQ, TOKEN
 
 
@@ -104,6 +105,15 @@ class ForwardTakes:
     labels_required: bool  # a forward that requires labels gets them; all others are spared a loss never used
     no_cache: dict  # {"use_cache": False} where the forward reads a KV cache, else {}
     logits_to_keep: bool  # logits only where a target is (transformers takes a [B, T] bool mask)
+    # a causal LM of transformers' own whose right padding reaches a real position only through the attention mask
+    right_padding_mask_redundant: bool = False
+
+    def unmasks_right_padding(self, batch: Mapping, targets: torch.Tensor) -> bool:
+        """Whether a training micro-batch, on the host, may reach the forward without its attention mask: where the
+        mask only hides right padding whose positions have no target. In a causal LM a real position never sees a
+        later one, so every real position's output is the same without it (exact); attention then has no mask to
+        read back (transformers' sdpa reads a padded mask twice per forward) and runs its causal kernel."""
+        return self.right_padding_mask_redundant and is_right_padding(batch.get("attention_mask"), targets)
 
     def inputs(self, model: torch.nn.Module, batch: Mapping, seq2seq: bool) -> dict:
         """The forward's inputs from a batch: labels only where the forward requires them; a seq2seq model gets its
@@ -120,6 +130,35 @@ class ForwardTakes:
         return {**forward, **self.no_cache}
 
 
+def is_right_padding(mask: Any, targets: torch.Tensor) -> bool:
+    """Whether a host [B, T] attention mask of 0/1 is each row's real positions first, then padding without a target."""
+    on_host = isinstance(mask, torch.Tensor) and mask.device.type == "cpu"  # a device mask would be read back
+    if not on_host or mask.dim() != 2 or mask.shape != targets.shape:
+        return False
+    mask = mask.to(torch.int8)
+    binary = bool(((mask == 0) | (mask == 1)).all())
+    return binary and bool((mask[:, 1:] <= mask[:, :-1]).all()) and bool((targets[mask == 0] == IGNORE_INDEX).all())
+
+
+def _right_padding_mask_redundant(model: torch.nn.Module) -> bool:
+    """A decoder-only causal LM that transformers itself defines and registers (a class we can read), whose padding
+    enters only through the mask: not an encoder-decoder, not a mixture of experts whose router loss reads the mask,
+    and attention that a mask does not shorten (flash attention unpads masked rows instead)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model = unwrap_peft_model(model)
+    config = getattr(model, "config", None)
+    causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return (
+        type(model).__name__ in causal_lms
+        and type(model).__module__.startswith("transformers.models.")
+        and not getattr(config, "is_encoder_decoder", False)
+        and not getattr(config, "output_router_logits", False)
+        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager", "flex_attention")
+        and "attention_mask" in inspect.signature(model.forward).parameters
+    )
+
+
 def forward_takes(model: torch.nn.Module) -> ForwardTakes:
     """What `model`'s forward takes. Training never reads a KV cache, and with one transformers does not derive the
     block-diagonal mask of packed rows from their position_ids (attention would cross sequences); a VLM's forward
@@ -134,6 +173,7 @@ def forward_takes(model: torch.nn.Module) -> ForwardTakes:
         labels_required=labels is not None and labels.default is inspect.Parameter.empty,
         no_cache={"use_cache": False} if takes_cache else {},
         logits_to_keep="logits_to_keep" in forward,
+        right_padding_mask_redundant=_right_padding_mask_redundant(model),
     )
 
 

@@ -76,6 +76,13 @@ def choose_loss(trainer_cls: type, ours: type, model, args) -> LossChoice:
     return LossChoice(kind, note=note)
 
 
+def empty_window_line(step: int) -> str:
+    return (
+        f"optimizer step {step}: the accumulation window has no labelled token on any rank; the weights and the "
+        "optimizer state are not updated for this step"
+    )
+
+
 def foreign_loss_line(trainer_cls: type) -> str:
     """A subclass's compute_loss returned a loss ours did not compute: what trains it from then on."""
     owner = next(c for c in trainer_cls.__mro__ if "compute_loss" in vars(c))

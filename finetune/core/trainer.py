@@ -13,6 +13,7 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   position's loss summed over all batches and ranks ÷ their count, logged as `eval_label_tokens`), not a mean of
   per-batch means: it does not move with the eval batch size, the last short batch or the number of ranks.
   `eval_token_accuracy` is the share of those positions whose argmax is the label.
+- **Right padding** without targets trains unmasked in transformers' causal LMs (exact: heads.py `ForwardTakes`).
 - **An empty window** (no labelled token on any rank) makes no update (`updates_weights`), instead of moving the
   weights by optimizer momentum and decay, whatever built the optimizer (the gate is hooked onto it at the first
   window).
@@ -59,6 +60,7 @@ from finetune.core.loss import (
 )
 from finetune.core.loss_choice import (
     choose_loss,
+    empty_window_line,
     eval_loss_not_exact_line,
     foreign_loss_line,
     misaligned_logits_line,
@@ -147,19 +149,20 @@ class TokenNormTrainer(Trainer):
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self.chunked_head.hold_positions(None, False, self._prepare_input)
+            self.chunked_head.hold_positions(None, False, False, self._prepare_input)
         if self.verdict.end_micro_batch() and self.loss_kind is not None and not self._foreign_loss_said:
             self._foreign_loss_said = True
             self._fall_back(foreign_loss_line(type(self)))
         return loss
 
-    def _host_targets(self, inputs) -> tuple[torch.Tensor | None, bool]:
+    def _host_targets(self, inputs) -> tuple[torch.Tensor | None, bool, bool]:
         """(a micro-batch's targets where its labels are still on the host and the loss is ours, else None; whether
-        its labels are pinned)."""
+        its labels are pinned; whether its forward may leave out the mask of its right padding: ForwardTakes)."""
         labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
         if not isinstance(labels, torch.Tensor) or self.loss_kind is None or self.compute_loss_func is not None:
-            return None, False
-        return targets_of(inputs, self.loss_kind), labels.is_pinned()
+            return None, False, False
+        targets = targets_of(inputs, self.loss_kind)
+        return targets, labels.is_pinned(), self.forward_takes.unmasks_right_padding(inputs, targets)
 
     def _data_parallel_size(self) -> int:
         # Tensor-parallel ranks hold replicas of one batch; only data-parallel ranks see different data.
@@ -368,10 +371,7 @@ class TokenNormTrainer(Trainer):
 
     def _say_why_not_updated(self) -> None:
         if self.verdict.window_label_tokens == 0:
-            logger.warning(
-                f"optimizer step {self.state.global_step + 1}: the accumulation window has no labelled token on "
-                "any rank; the weights and the optimizer state are not updated for this step"
-            )
+            logger.warning(empty_window_line(self.state.global_step + 1))
 
     def create_optimizer(self, model=None):
         # Under DeepSpeed the engine wraps this optimizer (and steps it inside the last backward): gated here, before.
