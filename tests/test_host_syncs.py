@@ -55,13 +55,16 @@ def test_packed_training_syncs_at_most_once_per_micro_batch_plus_three_per_step(
 
 
 def test_padded_training_syncs_at_most_once_per_micro_batch_plus_three_per_step(tmp_path):
-    """Right-padded rows train without their attention mask (ForwardTakes.training_inputs): transformers' sdpa mask,
-    which reads a padded mask back twice per forward (`_ignore_causal_mask_sdpa`), reads nothing; what is left is this
-    project's three per step (the step's norm and finite flag together, the logged loss and norm)."""
+    """Right-padded rows train without their attention mask (ForwardTakes.unmasks_right_padding): transformers' sdpa
+    mask, which read a padded mask back twice per forward (`_ignore_causal_mask_sdpa`), is not made; what transformers
+    reads is its packed-rows check of the positions it makes on the device (`find_packed_sequence_indices`, once per
+    micro-batch), and this project three per step (the step's norm and finite flag together, the logged loss and
+    norm)."""
     syncs, micro_batches = counted_run(tmp_path, "padded", cuda_attention=False)
-    transformers_mask = {site: n for site, n in syncs.sites.items() if "@ masking_utils.py" in site}
+    transformers_mask = {site.split(" <- ")[0]: n for site, n in syncs.sites.items() if "@ masking_utils.py" in site}
     counts = step_counts(syncs)
-    assert not transformers_mask and list(counts) == list(range(2, STEPS + 1)), (transformers_mask, counts)
+    assert len(transformers_mask) == 1 and sum(transformers_mask.values()) == micro_batches * STEPS, transformers_mask
+    assert list(counts) == list(range(2, STEPS + 1)), counts
     assert all(n <= micro_batches + 3 for n in counts.values()), (counts, syncs.sites.most_common(12))
 
 
@@ -88,3 +91,14 @@ def test_the_counter_sees_device_reads_and_not_host_ones():
         derived.nonzero(), torch.equal(derived, device)
     ops = sorted(site.split(" @ ")[0] for site in syncs.sites.elements())
     assert ops == ["_local_scalar_dense", "cpu", "equal", "index", "nonzero", "tolist"], ops
+
+
+def test_a_tensor_made_with_the_devices_torch_device_is_on_it():
+    """transformers makes positions with `torch.arange(n, device=inputs_embeds.device)`: on CUDA a device tensor, and
+    reading it back a sync; one made on the host (no device, or the string "cpu") reads nothing back."""
+    syncs = HostSyncs()
+    with syncs:
+        made_there = torch.arange(4, device=torch.device("cpu"))
+        bool((made_there == 0).all())
+        bool((torch.arange(4) == 0).all()), bool((torch.zeros(2, device="cpu") == 0).all())
+    assert sum(syncs.sites.values()) == 1, syncs.sites

@@ -3,7 +3,8 @@
 On a GPU, torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`) names every call that waits for the
 device. A CPU has no device to wait for, so `HostSyncs` models one: the model's parameters and buffers and every
 batch after the trainer's `_prepare_inputs` are "on the device", and so is every tensor an op computes from one of
-them (a `TorchDispatchMode` follows the whole run, backward and optimizer included). Host tensors (the collated batch
+them (a `TorchDispatchMode` follows the whole run, backward and optimizer included) and every tensor made with the
+device's `torch.device` (`torch.arange(n, device=x.device)`). Host tensors (the collated batch
 before it moves, counts built on the host) stay off it, as they do on CUDA.
 
 An op on a device tensor counts as a sync where CUDA's would block the host:
@@ -48,6 +49,17 @@ READ_BACK = {
 }
 BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 COPIES_TO_HOST = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+FACTORIES = {
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.tensor,
+    torch.as_tensor,
+    torch.linspace,
+    torch.eye,
+}
 
 
 def step_counts(syncs: HostSyncs, warmup: int = 1) -> dict[int, int]:
@@ -141,12 +153,17 @@ class HostSyncs:
                     self.resident[t] = True
 
     def to_device(self, func, args, kwargs) -> bool:
-        """Whether a call moves a tensor to the modelled device: `.to(device)` with a `torch.device` (the trainer's
-        `_prepare_input`, `.to(self.args.device)`). A device spelled "cpu" is the host (`torch.tensor(1.0,
-        device="cpu")` in torch's optimizers): on a CPU only that spelling tells the two apart."""
-        if func is not torch.Tensor.to:
+        """Whether a call moves a tensor to the modelled device or makes one there: `.to(device)` with a
+        `torch.device` (the trainer's `_prepare_input`, `.to(self.args.device)`), or a new tensor given such a
+        `device=` (transformers' `torch.arange(n, device=inputs_embeds.device)` for positions). A device spelled "cpu"
+        is the host (`torch.tensor(1.0, device="cpu")` in torch's optimizers): on a CPU only that spelling tells the
+        two apart."""
+        if func is torch.Tensor.to:
+            target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        elif func in FACTORIES:
+            target = kwargs.get("device")
+        else:
             return False
-        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
         if isinstance(target, str):
             target = None if target == "cpu" else torch.device(target)
         return isinstance(target, torch.device) and target.type == self.device.type
