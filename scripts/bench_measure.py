@@ -94,7 +94,7 @@ class Clock:
         self.mark()
 
     def __call__(self, module, args, kwargs):
-        if not torch.is_grad_enabled():  # a gradient-free forward (our chunked-head probe) trains on nothing
+        if not torch.is_grad_enabled():  # a call outside training (no gradients) trains on nothing: not counted
             return
         # what the trainer logs: real = attention-mask ones, or every position of a padding-free row
         tokens = kwargs.get("input_ids")
@@ -102,12 +102,12 @@ class Clock:
             return
         self.computed += tokens.numel()  # the shape: host metadata, no sync
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape and self.cuda and mask.device.type == "cpu":
-            self.real_on_host += int(mask.sum())  # a batch still on the host (ours waits there): no device copy
-        elif isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
-            self.real += mask.sum()  # stays on the device
-        else:
+        if not (isinstance(mask, torch.Tensor) and mask.shape == tokens.shape):
             self.real += tokens.numel()
+        elif self.cuda and mask.device.type == "cpu":
+            self.real_on_host += int(mask.sum())  # a batch still on the host (ours waits there): no device copy
+        else:
+            self.real += mask.sum()  # stays on the device
 
     def mark(self, *_, **__) -> None:
         event = None

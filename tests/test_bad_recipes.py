@@ -18,7 +18,7 @@ import torch
 from finetune.recipe import Config, RecipeError, load_config
 from finetune.recipe.bounds import bounds_text
 from finetune.recipe.yaml_reader import MAX_NODES
-from tests.launch import ROOT, assert_one_error, run
+from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_one_error, run
 
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 DEBUG_TEXT = Path(DEBUG).read_text()
@@ -377,3 +377,36 @@ def test_a_lora_key_in_the_recipe_file_needs_lora_enabled_there_too(tmp_path):
     assert not load_config([recipe, "model.lora.enabled=false"]).model.lora.enabled
     with pytest.raises(RecipeError, match=r"^model\.lora\.r=4 " + LORA_OFF):
         load_config([recipe, "model.lora.enabled=false", "model.lora.r=4"])
+
+
+@pytest.mark.subprocess
+@pytest.mark.distributed
+def test_the_main_process_prints_the_error_when_another_rank_meets_it_first():
+    """The launcher stops every rank once one exits: the main process, 3 s later to the same error, still prints it."""
+    result = subprocess.run(
+        [*TWO_RANKS, "tests/workers/error_worker.py", "same:3"],
+        cwd=ROOT,
+        env={**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == ["error: the recipe is wrong"]
+
+
+def test_a_rank_that_meets_an_error_alone_says_so_after_the_main_process_had_its_turn(monkeypatch):
+    from finetune.tools import boundary
+
+    stream, waited = io.StringIO(), []
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(boundary.time, "sleep", waited.append)
+
+    def fails() -> int:
+        raise RecipeError("this rank's data is wrong")
+
+    assert boundary.run_command(fails) == 2
+    assert waited == [boundary.MAIN_PROCESS_FIRST_S]
+    assert stream.getvalue().splitlines() == ["error: rank 1: this rank's data is wrong"]

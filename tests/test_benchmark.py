@@ -158,7 +158,7 @@ class OpLog(TorchDispatchMode):
 
 
 def test_clock_hooks_count_tokens_without_reading_the_device():
-    """The forward hook and step mark run inside training: no op that would make the host wait for a GPU (`.item()`,
+    """The token count and step mark run inside training: no op that would make the host wait for a GPU (`.item()`,
     `nonzero`, a copy to the host); the counts are read once, by result()."""
     clock = bench_measure().Clock(cuda=False)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -172,7 +172,7 @@ def test_clock_hooks_count_tokens_without_reading_the_device():
         clock.mark()
     assert log.ops  # the mode saw the hook's device-side sum
     assert not {"aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten._to_copy"} & set(log.ops), log.ops
-    with torch.no_grad():  # a gradient-free forward (the chunked-head probe) trains on nothing: not counted
+    with torch.no_grad():  # a call outside training (no gradients) trains on nothing: not counted
         clock(None, (), padded)
     r = clock.result(warmup=1)
     assert (r["real_tokens"], r["computed_tokens"], r["steps"]) == (6, 6, 1)

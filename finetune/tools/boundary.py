@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -35,11 +36,23 @@ def _close_progress_bars() -> None:
             pass
 
 
+MAIN_PROCESS_FIRST_S = 15.0
+
+
+def wait_for_the_main_process(seconds: float = MAIN_PROCESS_FIRST_S) -> None:
+    """A rank other than the main one waits before it speaks or exits: the launcher stops every rank as soon as one
+    exits, so a rank that returned first would have the main process killed before its `error:` line. When the main
+    process met the same error it prints and exits meanwhile, and the launcher ends this wait."""
+    time.sleep(seconds)
+
+
 def print_error(message: str, every_rank: bool = False) -> None:
-    """`error: …` on a line of its own, on the main process only (every rank meets the same recipe), or on
-    `every_rank` (a fault one rank meets, such as its peer dying)."""
+    """`error: …` on a line of its own, once: by the main process (every rank meets the same recipe), or by
+    `every_rank` (a fault one rank meets, such as its peer dying). Another rank still running after the main
+    process's turn met the error alone, and prints it with its rank."""
     if not (every_rank or is_main_process()):
-        return
+        wait_for_the_main_process()
+        every_rank = True
     if every_rank and world_size() > 1:
         message = f"rank {rank()}: {message}"
     _close_progress_bars()
