@@ -384,7 +384,7 @@ def test_a_lora_key_in_the_recipe_file_needs_lora_enabled_there_too(tmp_path):
 def test_the_main_process_prints_the_error_when_another_rank_meets_it_first():
     """The launcher stops every rank once one exits: the main process, 3 s later to the same error, still prints it."""
     result = subprocess.run(
-        [*TWO_RANKS, "tests/workers/error_worker.py", "same:3"],
+        [*TWO_RANKS, "tests/workers/error_worker.py", "3"],
         cwd=ROOT,
         env={**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH},
         capture_output=True,

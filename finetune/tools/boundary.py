@@ -36,14 +36,9 @@ def _close_progress_bars() -> None:
             pass
 
 
+# a launcher stops every rank once one exits: another rank that returned first would have the main process killed
+# before its `error:` line, so it waits this long; the main process meeting the same error prints and exits meanwhile
 MAIN_PROCESS_FIRST_S = 15.0
-
-
-def wait_for_the_main_process(seconds: float = MAIN_PROCESS_FIRST_S) -> None:
-    """A rank other than the main one waits before it speaks or exits: the launcher stops every rank as soon as one
-    exits, so a rank that returned first would have the main process killed before its `error:` line. When the main
-    process met the same error it prints and exits meanwhile, and the launcher ends this wait."""
-    time.sleep(seconds)
 
 
 def print_error(message: str, every_rank: bool = False) -> None:
@@ -51,7 +46,7 @@ def print_error(message: str, every_rank: bool = False) -> None:
     `every_rank` (a fault one rank meets, such as its peer dying). Another rank still running after the main
     process's turn met the error alone, and prints it with its rank."""
     if not (every_rank or is_main_process()):
-        wait_for_the_main_process()
+        time.sleep(MAIN_PROCESS_FIRST_S)  # the launcher ends it when the main process exits
         every_rank = True
     if every_rank and world_size() > 1:
         message = f"rank {rank()}: {message}"

@@ -1,24 +1,20 @@
-"""One command's body meeting a RecipeError on every rank: `same:S` on every rank, the main process S seconds after
-the others (a main process slower to get there, as on a loaded machine); `alone:R` on rank R only, the others
-finishing. The boundary (`run_command`) turns it into the command's `error:` line and exit code."""
+"""One command's body meeting the same RecipeError on every rank, the main process `argv[1]` seconds after the
+others (a main process slower to get there, as on a loaded machine). The boundary (`run_command`) turns it into the
+command's `error:` line and exit code."""
 
 import sys
 import time
 
-from finetune.env import exit_process, is_main_process, rank
+from finetune.env import exit_process, is_main_process
 from finetune.recipe import RecipeError
 from finetune.tools.boundary import run_command
 
 
-def body(case: str, value: str) -> int:
-    if case == "same":
-        if is_main_process():
-            time.sleep(float(value))
-        raise RecipeError("the recipe is wrong")
-    if rank() == int(value):
-        raise RecipeError("this rank's data is wrong")
-    return 0
+def body(main_process_delay_s: float) -> int:
+    if is_main_process():
+        time.sleep(main_process_delay_s)
+    raise RecipeError("the recipe is wrong")
 
 
 if __name__ == "__main__":
-    exit_process(run_command(lambda: body(*sys.argv[1].split(":"))))
+    exit_process(run_command(lambda: body(float(sys.argv[1]))))
