@@ -17,10 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from finetune.env import cache_dir
 from finetune.model.files import NEVER_LOADED, WEIGHT_SUFFIXES, commit, folder_problems
 from finetune.model.freeze import add_lora, freeze
-from finetune.model.quantized import load_options, prepare_kbit, quantize_built
+from finetune.model.quantized import DTYPES, load_options, prepare_kbit, quantize_built
 from finetune.recipe import ModelConfig, RecipeError, first_line
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_source(name_or_path: str) -> str:

@@ -17,6 +17,7 @@ import torch
 from finetune import env
 from finetune.recipe import ModelConfig, RecipeError
 
+# model.dtype's names; model/loading.py and model/vlm.py load weights in them too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a VLM's parts left in model.dtype unless model.quantization.llm_int8_skip_modules names its own list
 VISION_PARTS = ["lm_head", "vision_tower", "multi_modal_projector", "visual", "vision_model"]

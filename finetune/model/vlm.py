@@ -19,9 +19,8 @@ from finetune.model.assemblies import assembled_config, vlm_folder
 from finetune.model.freeze import freeze
 from finetune.model.image_rows import check_packing, forward_inputs
 from finetune.model.llava import IMAGE_TOKEN
-from finetune.model.loading import DTYPES
 from finetune.model.processors import auto_processor
-from finetune.model.quantized import load_options, prepare_kbit
+from finetune.model.quantized import DTYPES, load_options, prepare_kbit
 from finetune.recipe import DataConfig, ModelConfig, RecipeError, RunPlan, first_line
 
 SHAPES = "shapes_captions"
