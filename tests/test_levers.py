@@ -1,7 +1,7 @@
 """The speed levers (finetune/model/layer_kernels.py), off by default: `model.liger_kernels` refused on a CPU before
 the model loads and put on the model instance (Liger's triton kernels cannot run on a CPU: its modules compute
 through torch references of the same math here, every call counted), and `train.compile_layers` training the debug
-recipe as the eager layers do (alone, and with gradient checkpointing and LoRA)."""
+recipe as the eager layers do (alone, with gradient checkpointing and LoRA, and with LoRA on a 4-bit base)."""
 
 import copy
 import importlib.util
@@ -133,8 +133,12 @@ def trained(overrides: list[str], output_dir: Path) -> tuple[list[dict], dict]:
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["train.gradient_checkpointing=true", "model.lora.enabled=true"]],
-    ids=["compiled", "compiled-checkpointed-lora"],
+    [
+        [],
+        ["train.gradient_checkpointing=true", "model.lora.enabled=true"],
+        ["model.quantization.bits=4", "model.lora.enabled=true"],
+    ],
+    ids=["compiled", "compiled-checkpointed-lora", "compiled-qlora"],
 )
 def test_compiled_layers_train_as_the_eager_layers(overrides, tmp_path):
     """SGD: a weight moves by lr × its gradient, so the final weights compare the gradients (AdamW's first steps
@@ -153,5 +157,6 @@ def test_compiled_layers_train_as_the_eager_layers(overrides, tmp_path):
 
 
 # Measured on a CPU (2026-11-27, torch 2.13): the losses equal bit for bit, grad norms within 1.2e-7 (relative), final
-# weights within 3.7e-9 (alone) and 2.9e-11 (checkpointed LoRA); the bounds are ~10× and float32's ulp at 1.
+# weights within 3.7e-9 (alone), 2.9e-11 (checkpointed LoRA) and 2.9e-11 (LoRA on the NF4 base, bitsandbytes' CPU
+# backend); the bounds are ~10× and float32's ulp at 1.
 RTOL, WEIGHT_ATOL = 1e-6, 1e-7
