@@ -1,7 +1,8 @@
 """The speed levers (finetune/model/layer_kernels.py), off by default: `model.liger_kernels` refused on a CPU before
-the model loads and put on the model instance (Liger's triton kernels cannot run on a CPU: its modules compute
-through torch references of the same math here, every call counted), and `train.compile_layers` training the debug
-recipe as the eager layers do (alone, with gradient checkpointing and LoRA, and with LoRA on a 4-bit base)."""
+the model loads and put on the model instance, also a LoRA model's over a 4-bit base (Liger's triton kernels cannot
+run on a CPU: its modules compute through torch references of the same math here, every call counted), and
+`train.compile_layers` training the debug recipe as the eager layers do (alone, with gradient checkpointing and LoRA,
+and with LoRA on a 4-bit base)."""
 
 import copy
 import importlib.util
@@ -110,6 +111,27 @@ def test_liger_kernels_go_on_the_instance_under_the_trainers_head_and_loss(liger
     }
     for error, _ in step_errors(initial, windows, snapshots):  # the float64 brute force of each window
         assert error <= 1e-5
+
+
+@pytest.mark.e2e
+def test_liger_kernels_reach_a_lora_model_on_a_4bit_base_and_train_as_without(liger_math, monkeypatch, tmp_path):
+    """The debug recipe with LoRA on an NF4 base (bitsandbytes' CPU backend), Liger on (its modules through the torch
+    math above; the CPU refusal lifted): every norm, MLP and RoPE of the quantized model under peft's wrapper runs
+    Liger's module, and the steps and LoRA weights are those of the same run without Liger."""
+    qlora = ["model.quantization.bits=4", "model.lora.enabled=true"]
+    plain_steps, plain = trained(qlora, tmp_path / "plain")
+    assert not liger_math
+    monkeypatch.setattr(assemble, "levers_on_device", lambda model, gpu: None)
+    steps, weights = trained([*qlora, "model.liger_kernels=true"], tmp_path / "liger")
+    layers, forwards = 2, 4  # the debug model's layers; 2 steps × 2 micro-batches
+    assert dict(liger_math) == {
+        "rms_norm": (2 * layers + 1) * forwards,
+        "swiglu": layers * forwards,
+        "rope": layers * forwards,
+    }
+    assert steps == plain_steps
+    assert weights.keys() == plain.keys()
+    assert all(torch.equal(weights[name], plain[name]) for name in plain)
 
 
 def trained(overrides: list[str], output_dir: Path) -> tuple[list[dict], dict]:
