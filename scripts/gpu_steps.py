@@ -151,7 +151,8 @@ def vlm(s: Sizing, recipe: str = "recipes/vlm_seed.yaml", name: str = "vlm_bf16"
     """A VLM recipe's training throughput (samples/s) in bf16, padded vs token budget vs packed, at the seed's
     micro-batch of 32 on a GPU (the seed recipe; recipes/vlm_qwen.yaml: packed multimodal-RoPE rows). With
     --model-folder its language model is SmolLM2's config with random weights (written first by
-    scripts/random_weights.py into DIR/smollm2-random): samples/s does not depend on the weights' values."""
+    scripts/random_weights.py into DIR/smollm2-random-STEP, the step's own, so steps may run side by side): samples/s
+    does not depend on the weights' values."""
     path = str(s.out / f"{name.removesuffix('_bf16')}.json")
     command = [PY, "scripts/bench_vlm.py", "--recipe", recipe, "--device", "cuda" if s.cuda else "cpu", "--json", path]
     if s.smoke:  # that the step runs and reports; fp32: a CPU without bf16 instructions emulates bf16 matmuls
@@ -160,7 +161,7 @@ def vlm(s: Sizing, recipe: str = "recipes/vlm_seed.yaml", name: str = "vlm_bf16"
         command += ["--micro-batch", "32", "--accumulation", "4", "--steps", "4", "train.precision=bf16"]
     before = None
     if s.model_folder:
-        random_lm = str(s.out / "smollm2-random")
+        random_lm = str(s.out / f"smollm2-random-{name}")
         before = [PY, "scripts/random_weights.py", s.model_folder, random_lm]
         command += [f"model.name_or_path={random_lm}", "model.gguf_file=null"]
     return Step(name, command, 900 if s.smoke else 150, "json", path, before=before)

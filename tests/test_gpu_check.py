@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(t
     assert not [p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")]
 
     out = tmp_path / "report"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--smoke", "--model-folder", str(folder), "--out", str(out)]
+    cmd = [sys.executable, "scripts/gpu_check.py", "--smoke", "--jobs", "2", "--model-folder", str(folder)]
+    cmd += ["--out", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1700)
     report = json.loads((out / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
@@ -51,8 +53,10 @@ def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(t
     for name in ("verify_fp32", "verify_bf16", "host_syncs", "profile_packed"):
         assert f"model.name_or_path={folder} model.gguf_file=null" in steps[name]["command"], name
     assert f"--model-folder {folder}" in steps["benchmark_tiny"]["command"]
-    assert f"model.name_or_path={out / 'smollm2-random'} model.gguf_file=null" in steps["vlm_bf16"]["command"]
-    assert (out / "smollm2-random" / "model.safetensors").is_file()  # the VLM's language model, random init
+    for name in ("vlm_bf16", "vlm_qwen_bf16"):  # the VLM's language model, random init, each step's own
+        random_lm = out / f"smollm2-random-{name}"
+        assert f"model.name_or_path={random_lm} model.gguf_file=null" in steps[name]["command"]
+        assert (random_lm / "model.safetensors").is_file()
 
     tier = steps["gpu_tier"]  # without CUDA every GPU test is skipped (or none is marked yet)
     assert tier["figures"]["failed"] == 0 and tier["figures"]["passed"] == 0
@@ -147,6 +151,25 @@ def test_a_step_the_budget_cannot_hold_is_not_started_and_one_over_its_box_is_st
     gpu_check.run_step(chained, tmp_path, cuda=False, left=60)
     assert first.exists() and not ran.exists()  # the command it runs first failed: the step stops there
     assert chained.result["status"] == "failed" and chained.result["returncode"] == 3
+
+
+def test_jobs_run_steps_side_by_side_and_the_report_keeps_the_checks_order(tmp_path):
+    """With --jobs 2 the first step waits for a file the second step writes: it ends only if both run at once."""
+    gpu_check, Step = import_check()
+    signal = tmp_path / "second-started"
+    wait = f"import pathlib, time\nwhile not pathlib.Path({str(signal)!r}).exists(): time.sleep(0.05)"
+    steps = [
+        Step("first", [sys.executable, "-c", wait], 60, "json", str(tmp_path / "none")),
+        Step("second", [sys.executable, "-c", f"open({str(signal)!r}, 'w')"], 60, "json", str(tmp_path / "none")),
+    ]
+    ended = []
+    gpu_check.run_steps(steps, tmp_path, False, time.perf_counter() + 60, 2, lambda step: ended.append(step.name))
+    assert ended == ["second", "first"]  # recorded as each ends; the report orders them by the check
+    assert [s.result["returncode"] for s in steps] == [0, 0]
+
+    with pytest.raises(SystemExit) as refused:  # on a GPU the steps share the device: one at a time
+        gpu_check.main(["--out", str(tmp_path / "report"), "--jobs", "2"])
+    assert refused.value.code == 2 and not (tmp_path / "report").exists()
 
 
 @pytest.mark.subprocess
