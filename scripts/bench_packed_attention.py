@@ -155,6 +155,38 @@ def measure_row(model, row: dict, implementations: dict, repeats: int, device: s
     }
 
 
+def print_row(row: dict, figures: dict) -> None:
+    """One packed row's line: each arm against the masked SDPA, the whole model and one layer's attention."""
+    length = row["inputs"]["input_ids"].shape[1]
+    _, model_sdpa, attn_sdpa = figures["sdpa"]
+    parts = [
+        f"{arm}: max |Δlogit| {diff:.2e}, model fwd+bwd {model_s:.4f} s ({model_sdpa / model_s:.2f}×), "
+        f"one layer's attention {attn_s * 1e3:.2f} ms ({attn_sdpa / attn_s:.2f}×)"
+        for arm, (diff, model_s, attn_s) in figures.items()
+        if arm != "sdpa"
+    ]
+    print(
+        f"row of {length} tokens ({'+'.join(map(str, row['lengths']))}): masked sdpa model fwd+bwd "
+        f"{model_sdpa:.4f} s, one layer's attention {attn_sdpa * 1e3:.2f} ms; " + "; ".join(parts)
+    )
+
+
+def print_total(results: list[dict]) -> None:
+    """The sums over every row, each arm against the masked SDPA."""
+    total = {arm: (sum(r[arm][1] for r in results), sum(r[arm][2] for r in results)) for arm in results[0]}
+    model_sdpa, attn_sdpa = total["sdpa"]
+    print(
+        f"all {len(results)} rows: masked sdpa model fwd+bwd {model_sdpa:.3f} s, attention alone "
+        f"{attn_sdpa * 1e3:.1f} ms; "
+        + "; ".join(
+            f"{arm}: model {model_s:.3f} s ({model_sdpa / model_s:.2f}× faster), attention {attn_s * 1e3:.1f} ms "
+            f"({attn_sdpa / attn_s:.2f}×)"
+            for arm, (model_s, attn_s) in total.items()
+            if arm != "sdpa"
+        )
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4, help="packed rows (--per-row sequences each) to time")
@@ -194,32 +226,9 @@ def main() -> int:
 
     results = []
     for row in packed_rows(dataset, args.rows, args.per_row, args.seed, args.device):
-        figures = measure_row(model, row, implementations, args.repeats, args.device)
-        results.append(figures)
-        length = row["inputs"]["input_ids"].shape[1]
-        _, model_sdpa, attn_sdpa = figures["sdpa"]
-        parts = [
-            f"{arm}: max |Δlogit| {diff:.2e}, model fwd+bwd {model_s:.4f} s ({model_sdpa / model_s:.2f}×), "
-            f"one layer's attention {attn_s * 1e3:.2f} ms ({attn_sdpa / attn_s:.2f}×)"
-            for arm, (diff, model_s, attn_s) in figures.items()
-            if arm != "sdpa"
-        ]
-        print(
-            f"row of {length} tokens ({'+'.join(map(str, row['lengths']))}): masked sdpa model fwd+bwd "
-            f"{model_sdpa:.4f} s, one layer's attention {attn_sdpa * 1e3:.2f} ms; " + "; ".join(parts)
-        )
-    total = {arm: (sum(r[arm][1] for r in results), sum(r[arm][2] for r in results)) for arm in results[0]}
-    model_sdpa, attn_sdpa = total["sdpa"]
-    print(
-        f"all {len(results)} rows: masked sdpa model fwd+bwd {model_sdpa:.3f} s, attention alone "
-        f"{attn_sdpa * 1e3:.1f} ms; "
-        + "; ".join(
-            f"{arm}: model {model_s:.3f} s ({model_sdpa / model_s:.2f}× faster), attention {attn_s * 1e3:.1f} ms "
-            f"({attn_sdpa / attn_s:.2f}×)"
-            for arm, (model_s, attn_s) in total.items()
-            if arm != "sdpa"
-        )
-    )
+        results.append(measure_row(model, row, implementations, args.repeats, args.device))
+        print_row(row, results[-1])
+    print_total(results)
     print("load average (1, 5, 15 min) after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 
