@@ -153,7 +153,7 @@ def test_a_step_the_budget_cannot_hold_is_not_started_and_one_over_its_box_is_st
     assert chained.result["status"] == "failed" and chained.result["returncode"] == 3
 
 
-def test_jobs_run_steps_side_by_side_and_the_report_keeps_the_checks_order(tmp_path):
+def test_jobs_run_steps_side_by_side_and_record_each_as_it_ends(tmp_path):
     """With --jobs 2 the first step waits for a file the second step writes: it ends only if both run at once."""
     gpu_check, Step = import_check()
     signal = tmp_path / "second-started"
