@@ -154,16 +154,22 @@ def test_a_step_the_budget_cannot_hold_is_not_started_and_one_over_its_box_is_st
 
 
 def test_jobs_run_steps_side_by_side_and_record_each_as_it_ends(tmp_path):
-    """With --jobs 2 the first step waits for a file the second step writes: it ends only if both run at once."""
+    """With --jobs 2 the first step waits until the second has ended and been recorded: it ends only if both run at
+    once and each is recorded as it ends (with one job, or records written at the end, it would time out)."""
     gpu_check, Step = import_check()
-    signal = tmp_path / "second-started"
+    signal = tmp_path / "second-recorded"
     wait = f"import pathlib, time\nwhile not pathlib.Path({str(signal)!r}).exists(): time.sleep(0.05)"
     steps = [
         Step("first", [sys.executable, "-c", wait], 60, "json", str(tmp_path / "none")),
-        Step("second", [sys.executable, "-c", f"open({str(signal)!r}, 'w')"], 60, "json", str(tmp_path / "none")),
+        Step("second", [sys.executable, "-c", "pass"], 60, "json", str(tmp_path / "none")),
     ]
     ended = []
-    gpu_check.run_steps(steps, tmp_path, False, time.perf_counter() + 60, 2, lambda step: ended.append(step.name))
+
+    def record(step):
+        ended.append(step.name)
+        signal.touch()
+
+    gpu_check.run_steps(steps, tmp_path, False, time.perf_counter() + 60, 2, record)
     assert ended == ["second", "first"]  # recorded as each ends; the report orders them by the check
     assert [s.result["returncode"] for s in steps] == [0, 0]
 
