@@ -167,3 +167,42 @@ def test_activation_offloading_keeps_every_gradient_bitwise_and_offloads_the_sav
         runs[offloading] = [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
     assert packed[False] == 0 and packed[True] > 0, packed
     assert runs[True] == runs[False] and len(runs[True]) == 2, runs
+
+
+def lora_gradients(model, batch: dict) -> dict:
+    """Each adapter weight's gradient of one training forward and backward (train mode, as a training step)."""
+    model.train()
+    model.zero_grad()
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_an_evaluation_on_an_avx512_cpu_leaves_the_4bit_weights_as_training_reads_them(monkeypatch):
+    """bitsandbytes repacks a Linear4bit's weight in place, on a CPU with AVX-512 BF16, at its first eval-mode forward
+    without gradient; its kernel for that layout has no autograd (the adapters below it would get zero input
+    gradients). The path is forced on here whatever this CPU has: after an evaluation forward, no layer is repacked,
+    and the adapters' gradients equal those over bitsandbytes' own dequantization of the same base."""
+    import bitsandbytes.nn.modules
+
+    from finetune.model.quantized import dequantize_base
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
+    model = loaded([*QLORA, "model.quantization.bnb_4bit_compute_dtype=float32"])
+    layers = [m for m in model.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert layers and all(m.weight.quant_state is not None for m in layers)
+    with torch.no_grad():  # lora_B starts at zero, which would leave every lora_A without a gradient
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    model.eval()
+    with torch.no_grad():  # what an evaluation, a sample or verify's reference pass runs
+        model(**batch)
+    assert not [m for m in layers if getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+    got = lora_gradients(model, batch)
+    reference = lora_gradients(dequantize_base(model), batch)
+    assert got.keys() == reference.keys() and len(got) == 4 * len(LINEARS)
+    for name, grad in got.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(grad, reference[name], rtol=1e-4, atol=1e-7), name

@@ -5,6 +5,7 @@ one rule for module-name prefixes, shared with `optim.lr_multipliers`."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
@@ -95,7 +96,11 @@ def add_lora(model, cfg: ModelConfig):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated name; the run is not affected
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            return get_peft_model(model, lora)
     except ValueError as e:  # peft's refusals: target modules that match nothing, or that LoRA cannot wrap
         raise RecipeError(f"model.lora.target_modules={targets}: {first_line(e)}") from None
 

@@ -115,7 +115,21 @@ def prepare_kbit(model, cfg: ModelConfig):
             f"model.quantization.bits={cfg.quantization.bits}: no linear layer of {cfg.name_or_path} was quantized; "
             "check model.quantization.llm_int8_skip_modules"
         )
+    keep_trainable_layout(model)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_trainable_layout(model) -> None:
+    """Turn off bitsandbytes' CPU repacking of 4-bit weights. On a CPU with AVX-512 BF16, a Linear4bit's first
+    forward in eval mode without gradient (an evaluation, a sample, verify's or the planner's no-grad pass) rewrites
+    its weight in place into an inference layout whose kernel (gemv_4bit) has no autograd: every later training
+    forward gives the adapters below it a zero input gradient, and dequantize_4bit no longer reads the trained base.
+    The layer keeps the layout it trains with instead: evaluation runs the same exact kernel as training."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def dequantize_base(model):
