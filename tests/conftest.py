@@ -24,3 +24,7 @@ def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
     from tests.vlm_models import save_tiny_vlm
 
     return save_tiny_vlm(processor, tmp_path_factory.mktemp("tiny_vlm"))
+
+
+# the default tier's time budget (--test-budget): its hooks, loaded here as a plugin of this folder's conftest
+from tests.budget import pytest_addoption, pytest_configure, pytest_runtest_makereport  # noqa: E402, F401

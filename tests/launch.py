@@ -54,6 +54,41 @@ def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **
     )
 
 
+# each command `run` starts, by the module whose main(argv) it runs
+MAINS = {
+    "finetune/train.py": "finetune.tools.train",
+    "finetune.train": "finetune.tools.train",
+    "finetune.plan": "finetune.tools.plan",
+    "finetune.verify": "finetune.tools.verify",
+}
+
+
+def call(capfd, args: list[str], tool: str = "finetune/train.py", **environ: str) -> subprocess.CompletedProcess:
+    """`run`'s command called in this process, as `run` would start it: main(args) from the repository root with
+    `environ` set, its exit code (a SystemExit's code too) and what reached this process's stdout and stderr (the
+    file descriptors, through pytest's `capfd`: lines from a library's own handlers count as in a real process)."""
+    import importlib
+
+    main = importlib.import_module(MAINS[tool]).main
+    capfd.readouterr()  # what earlier steps of the test printed is not this command's
+    cwd, saved = os.getcwd(), {key: os.environ.get(key) for key in environ}
+    os.chdir(ROOT)
+    os.environ.update(environ)
+    try:
+        code = main(list(args))
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        os.chdir(cwd)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([tool, *args], code, out, err)
+
+
 def torchrun(script_args: list[str], nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --standalone` on `nproc` CPU ranks; with `check`, the run must succeed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
@@ -61,6 +96,60 @@ def torchrun(script_args: list[str], nproc: int = 2, check: bool = True) -> subp
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ: str) -> None:
+    """`target(*args)` on `nproc` gloo ranks forked from this process, as accelerate's debug_launcher starts them:
+    each rank inherits the imported torch and transformers (a fresh interpreter pays 10-15 s for them) and sees the
+    environment torchrun gives a rank (plus `environ`). A rank ends without tearing objects down (as
+    finetune.env.exit_process ends a launched rank); one that raises fails the test with its traceback."""
+    import multiprocessing
+    import traceback
+
+    fork = multiprocessing.get_context("fork")
+    failures = fork.SimpleQueue()
+    launched = {
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCHELASTIC_RUN_ID": "forked",
+        "OMP_NUM_THREADS": "1",
+        **environ,
+    }
+
+    def rank_main(rank: int) -> None:
+        os.environ.update({**launched, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        torch.set_num_threads(1)
+        code = 0
+        try:
+            target(*args)
+        except BaseException:
+            failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    ranks = [fork.Process(target=rank_main, args=(rank,), daemon=True) for rank in range(nproc)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout)
+    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+    for process in ranks:
+        process.kill() if process.is_alive() else None
+    errors = [failures.get() for _ in range(sum(process.exitcode == 1 for process in ranks))]
+    assert not hung and not errors, f"ranks still running after {timeout} s: {hung}\n" + "\n".join(errors)
+    assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
 
 
 def two_rank_eval(kind: str, tmp_path: Path) -> dict:

@@ -18,7 +18,7 @@ import torch
 from finetune.recipe import Config, RecipeError, load_config
 from finetune.recipe.bounds import bounds_text
 from finetune.recipe.yaml_reader import MAX_NODES
-from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_one_error, run
+from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_one_error, call
 
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 DEBUG_TEXT = Path(DEBUG).read_text()
@@ -242,16 +242,14 @@ def write(folder: Path, text) -> Path:
     return path
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize("name, extra, message", CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_train_says_it_in_one_line_exit_2_and_writes_nothing(name, extra, message, tmp_path):
+def test_train_says_it_in_one_line_exit_2_and_writes_nothing(name, extra, message, tmp_path, capfd):
     out = tmp_path / "out"
     args = extra(tmp_path)
     base = [] if any(a.startswith("recipe=") for a in args) else [f"recipe={DEBUG}"]
-    assert_one_error(run([*base, *args, f"train.output_dir={out}"], timeout=120), message, out)
+    assert_one_error(call(capfd, [*base, *args, f"train.output_dir={out}"]), message, out)
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "tool, args, message",
     [
@@ -261,21 +259,18 @@ def test_train_says_it_in_one_line_exit_2_and_writes_nothing(name, extra, messag
         ("finetune.plan", ["train.max_grad_norm=nan"], r"train\.max_grad_norm=nan is not a number"),
     ],
 )
-def test_plan_and_verify_share_the_boundary(tool, args, message):
-    assert_one_error(run([f"recipe={DEBUG}", *args], tool=tool, timeout=120), message)
+def test_plan_and_verify_share_the_boundary(tool, args, message, capfd):
+    assert_one_error(call(capfd, [f"recipe={DEBUG}", *args], tool=tool), message)
 
 
-@pytest.mark.subprocess
-def test_a_bug_keeps_its_traceback_and_exits_70():
-    code = (
-        "import sys, finetune.recipe.loading as loading\n"
-        "def broken(argv): raise KeyError('a bug')\n"
-        "import finetune.tools.train as t; t.load_config = broken\n"
-        "sys.exit(t.main(sys.argv[1:]))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, f"recipe={DEBUG}"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+def test_a_bug_keeps_its_traceback_and_exits_70(capfd, monkeypatch):
+    import finetune.tools.train
+
+    def broken(argv):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(finetune.tools.train, "load_config", broken)
+    result = call(capfd, [f"recipe={DEBUG}"])
     assert result.returncode == 70, result.stderr
     assert "Traceback" in result.stderr and "KeyError: 'a bug'" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("internal error (KeyError): a bug in finetune")
