@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX   ?=
 
-.PHONY: install quickstart test test-fast lint debug clean
+.PHONY: install quickstart test test-slow test-fast lint debug clean
 
 install: $(STAMP)
 
@@ -31,12 +31,22 @@ quickstart: $(STAMP)
 debug: $(STAMP)
 	$(PY) finetune/train.py recipe=recipes/debug.yaml
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# Two tiers, each file's tests on one of TEST_WORKERS pytest-xdist workers with one thread each; every run lists its
+# 25 slowest tests. The default tier holds each test to 20 s (tests/budget.py); the slow tier is what cannot be
+# smaller: the benchmarks' and the GPU check's CPU runs, the real SmolLM2 model, launchers under signals, shipped
+# recipes at their own size (docs/contributing.md, "The two tiers").
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
-# Leaves out the slow tiers (tests that start processes, use two ranks or train a recipe end to end): minutes, not ten.
+test: $(STAMP)
+	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
+
+# The default tier less what starts processes, uses two ranks or trains a recipe end to end: about a minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not subprocess and not distributed and not e2e"
+	$(PY) -m pytest -q -m "not slow and not subprocess and not distributed and not e2e"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -39,6 +39,7 @@ def benchmark(tmp_path, *options) -> tuple[subprocess.CompletedProcess, dict]:
     return result, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the benchmark's quick run: every arm a process of its own, one after another
 @pytest.mark.subprocess
 @pytest.mark.timeout(1800)
 def test_quick_run_writes_every_arm_each_from_its_own_process(tmp_path):
@@ -91,6 +92,7 @@ def test_quick_run_writes_every_arm_each_from_its_own_process(tmp_path):
     assert "packed_after_liger ≥ 1.0× packed real tokens/s: not measured" in result.stdout
 
 
+@pytest.mark.slow  # the benchmark's tuned variants: each arm a process of its own
 @pytest.mark.subprocess
 @pytest.mark.timeout(1800)
 def test_tuned_variants_run_or_say_why_not(tmp_path):
@@ -120,6 +122,7 @@ def test_tuned_variants_run_or_say_why_not(tmp_path):
     assert f"SKIPPED: {LIGER_WHY}" in result.stdout
 
 
+@pytest.mark.slow  # the benchmark script's own process builds its model and data before it reaches the limit
 @pytest.mark.subprocess
 def test_no_arm_starts_after_the_time_limit_and_the_report_says_so(tmp_path):
     result, results = benchmark(tmp_path, "--arms", "hf_flatten,packed", "--time-limit", "0.001")

@@ -17,6 +17,7 @@ STEPS += ["sharded_fsdp2", "sharded_zero2", "sharded_zero3", "vlm_bf16", "vlm_qw
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.slow  # the GPU check's CPU smoke: every step of scripts/gpu_check.py, each a process of its own
 @pytest.mark.subprocess
 @pytest.mark.timeout(1800)
 def test_smoke_runs_every_step_from_a_config_only_folder_and_writes_one_report(tmp_path):
@@ -178,6 +179,7 @@ def test_jobs_run_steps_side_by_side_and_record_each_as_it_ends(tmp_path):
     assert refused.value.code == 2 and not (tmp_path / "report").exists()
 
 
+@pytest.mark.slow  # three of the GPU check's CPU smoke steps, each a process (sharded_fsdp2 on two ranks)
 @pytest.mark.subprocess
 def test_only_adds_its_steps_to_the_report_an_earlier_command_wrote(tmp_path):
     """Re-running the steps that failed: --only adds its steps to the report an earlier command wrote."""

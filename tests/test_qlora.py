@@ -115,6 +115,7 @@ def test_a_base_that_is_already_quantized_is_refused_before_it_loads(tmp_path):
         check_lora(cfg.model, str(folder), vision=False)
 
 
+@pytest.mark.slow  # four QLoRA runs of two steps, one per optimizer, compared with each other
 def test_the_exact_token_mean_gradient_reaches_every_optimizer_unchanged(tmp_path):
     """The optimizer takes the gradient, never makes it: step 1's loss and gradient norm are bitwise the same under
     torch's AdamW and each bitsandbytes AdamW, on the same 4-bit base; paged states (host memory on a CPU) are the

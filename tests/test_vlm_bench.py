@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the VLM benchmark's quick run: each mode a process of its own
 @pytest.mark.subprocess
 def test_bench_vlm_quick_writes_the_three_modes(tmp_path):
     out = tmp_path / "bench.json"
