@@ -4,11 +4,15 @@ weights bit for bit)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,6 +58,41 @@ def run(args: list[str], tool: str = "finetune/train.py", timeout: int = 300, **
     )
 
 
+def logs_as_in_a_process() -> Callable[[], None]:
+    """Log records reach the current sys.stderr as in a fresh interpreter: the root logger without pytest's handlers
+    (which keep records off stderr; without handlers, logging's last resort writes them there) and the libraries' own
+    stream handlers (transformers', datasets', bound at import to the stream of that moment) writing to sys.stderr. A
+    run in this process sees its library warnings as a process would; the function that undoes it is returned."""
+    root = logging.getLogger()
+    saved_root = root.handlers[:]
+    root.handlers[:] = []
+    moved = [
+        (handler, handler.stream)
+        for logger in logging.Logger.manager.loggerDict.values()
+        for handler in getattr(logger, "handlers", [])
+        if type(handler) is logging.StreamHandler and handler.stream is not sys.stderr
+    ]
+    for handler, _ in moved:  # not setStream: it flushes the old stream, maybe an earlier test's, closed since
+        handler.stream = sys.stderr
+
+    def undo() -> None:
+        for handler, stream in reversed(moved):
+            handler.stream = stream
+        root.handlers[:] = saved_root
+
+    return undo
+
+
+@contextlib.contextmanager
+def process_logs():
+    """logs_as_in_a_process for the length of a `with` block."""
+    undo = logs_as_in_a_process()
+    try:
+        yield
+    finally:
+        undo()
+
+
 # each command `run` starts, by the module whose main(argv) it runs
 MAINS = {
     "finetune/train.py": "finetune.tools.train",
@@ -63,22 +102,32 @@ MAINS = {
 }
 
 
+# what a run sets for W&B in its process (WANDB_DIR: the run's folder); a process's exit forgets them
+WANDB_VARIABLES = ("WANDB_DIR", "WANDB_MODE", "WANDB_PROJECT", "WANDB_SILENT")
+
+
 def call(capfd, args: list[str], tool: str = "finetune/train.py", **environ: str) -> subprocess.CompletedProcess:
     """`run`'s command called in this process, as `run` would start it: main(args) from the repository root with
     `environ` set, its exit code (a SystemExit's code too) and what reached this process's stdout and stderr (the
-    file descriptors, through pytest's `capfd`: lines from a library's own handlers count as in a real process)."""
+    file descriptors, through pytest's `capfd`), log records included as a process of its own prints them. What a
+    process's exit does after it is done here too: W&B's service writes the run out and forgets its settings, and the
+    environment the command changed is restored."""
     import importlib
 
     main = importlib.import_module(MAINS[tool]).main
     capfd.readouterr()  # what earlier steps of the test printed is not this command's
-    cwd, saved = os.getcwd(), {key: os.environ.get(key) for key in environ}
+    cwd, saved = os.getcwd(), {key: os.environ.get(key) for key in (*WANDB_VARIABLES, *environ)}
     os.chdir(ROOT)
+    os.environ.pop("WANDB_DIR", None)  # an earlier run's folder
     os.environ.update(environ)
     try:
-        code = main(list(args))
+        with process_logs():  # library warnings reach stderr as they do in a process of its own
+            code = main(list(args))
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     finally:
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].teardown()
         os.chdir(cwd)
         for key, value in saved.items():
             if value is None:
@@ -140,8 +189,12 @@ def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ:
         os._exit(code)
 
     ranks = [fork.Process(target=rank_main, args=(rank,), daemon=True) for rank in range(nproc)]
-    for process in ranks:
-        process.start()
+    gc.freeze()  # a rank's collections (accelerate runs several) skip the test process's whole inherited heap
+    try:
+        for process in ranks:
+            process.start()
+    finally:
+        gc.unfreeze()
     for process in ranks:
         process.join(timeout)
     hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
@@ -150,13 +203,6 @@ def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ:
     errors = [failures.get() for _ in range(sum(process.exitcode == 1 for process in ranks))]
     assert not hung and not errors, f"ranks still running after {timeout} s: {hung}\n" + "\n".join(errors)
     assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
-
-
-def two_rank_eval(kind: str, tmp_path: Path) -> dict:
-    """tests/workers/eval_worker.py `kind` on two ranks: {eval batch size: that evaluation's figures}."""
-    out = tmp_path / "eval.json"
-    torchrun(["tests/workers/eval_worker.py", kind, str(out), str(tmp_path / "trainer")])
-    return json.loads(out.read_text())
 
 
 def signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:

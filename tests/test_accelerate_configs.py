@@ -223,7 +223,7 @@ def test_sync_each_batch_reaches_the_accelerator():
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
 
-@pytest.mark.subprocess
+@pytest.mark.subprocess  # the launcher's output and exit code are the behaviour: it stays a real launch
 @pytest.mark.distributed
 def test_the_launched_error_is_one_line_and_exit_code_2(tmp_path):
     """Through the real launcher: 2 CPU ranks, ddp.yaml, --mixed_precision bf16 against an fp32 recipe."""

@@ -5,11 +5,9 @@ Each case is (what is wrong, how to set it up, the message a user sees). Rows dr
 row without a supervised token is counted and dropped, so the case here is a file where no row has one.
 """
 
-import os
+import contextlib
 import re
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.data_files import chat, write_jsonl
+from tests.launch import call
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "recipe=recipes/debug.yaml",
     "data.limit=16",
@@ -61,8 +59,16 @@ def adapter_checkpoint(tmp: Path) -> Path:
     return folder
 
 
-def limit_file_size(limit: int):
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+@contextlib.contextmanager
+def file_size_limit(limit: int | None):
+    """`ulimit -f` for this process while the command runs (the soft limit: the test raises it back after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 # (id, argv after BASE given the tmp folder, extra environment, the error line a user sees)
@@ -213,24 +219,16 @@ CASES = [
 ]
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize("name, extra, env, message", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra, env, message, tmp_path):
+def test_bad_input_is_one_clear_line_exit_2_and_nothing_half_written(name, extra, env, message, tmp_path, capfd):
     out = tmp_path / "out"
     env = dict(env)
     limit = env.pop("limit", None)
     extra = extra(tmp_path)
     own_recipe = any(a.startswith("recipe=") for a in extra)
     argv = [a for a in BASE if not (own_recipe and a.startswith("recipe="))] + [f"train.output_dir={out}", *extra]
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        preexec_fn=limit_file_size(limit) if limit else None,
-    )
+    with file_size_limit(limit):
+        result = call(capfd, argv, **env)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-4000:]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]

@@ -19,7 +19,7 @@ from finetune.model.loading import check_folder
 from finetune.recipe import ModelConfig, RecipeError
 from finetune.training import checkpoint_files, output_dir
 from finetune.training.output_dir import CARRIED, FINAL_SET, OutputLock, recover, sibling, swap_in
-from tests.launch import ENV, ROOT, assert_one_error
+from tests.launch import ENV, ROOT, assert_one_error, call
 
 BASE = [
     "recipe=recipes/debug.yaml",
@@ -42,6 +42,12 @@ def train(*args: str, code: str | None = None, env: dict | None = None) -> subpr
     )
 
 
+def train_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`train`'s command called in this process."""
+    base = [a for a in BASE if not (a.startswith("recipe=") and any(b.startswith("recipe=") for b in args))]
+    return call(capfd, [*base, *args])
+
+
 def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
 
@@ -56,7 +62,7 @@ def hold_lock(out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.subprocess
-def test_a_second_run_on_an_output_dir_in_use_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
+def test_a_second_run_on_an_output_dir_in_use_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp_path, capfd):
     out = tmp_path / "out"
     holder = hold_lock(out)
     try:
@@ -68,7 +74,7 @@ def test_a_second_run_on_an_output_dir_in_use_is_refused_and_a_killed_holder_lea
         ):
             lock.acquire()
         before = snapshot(out)
-        result = train(f"train.output_dir={out}")
+        result = train_here(capfd, f"train.output_dir={out}")
         assert_one_error(result, rf"^error: train\.output_dir={out} is in use by another run \(pid {holder.pid} ")
         assert snapshot(out) == before  # nothing written by the refused run
     finally:
@@ -157,9 +163,9 @@ def test_a_final_save_killed_at_any_rename_leaves_one_run_and_the_next_run_clean
 
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_a_run_over_an_older_run_replaces_its_model_whole_and_keeps_its_checkpoints(tmp_path):
+def test_a_run_over_an_older_run_replaces_its_model_whole_and_keeps_its_checkpoints(tmp_path, capfd):
     out = tmp_path / "out"
-    first = train("model.lora.enabled=true", "train.save_steps=1", f"train.output_dir={out}")
+    first = train_here(capfd, "model.lora.enabled=true", "train.save_steps=1", f"train.output_dir={out}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "adapter_config.json").is_file()
     killer = (
@@ -171,7 +177,7 @@ def test_a_run_over_an_older_run_replaces_its_model_whole_and_keeps_its_checkpoi
     killed = train(f"train.output_dir={out}", code=killer)  # killed with the checkpoints moved beside, not swapped
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (out / "adapter_config.json").is_file() and not (out / "checkpoint-1").exists()  # the old run, whole
-    again = train(f"train.output_dir={out}")
+    again = train_here(capfd, f"train.output_dir={out}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "a final save was interrupted; cleaned up (2 entries moved back: checkpoint-1, checkpoint-2)" in again.stdout
     assert not [p.name for p in out.iterdir() if p.name.startswith("adapter_")]  # nothing of the LoRA run is left
@@ -270,9 +276,12 @@ def test_a_model_folder_with_a_missing_or_damaged_file_is_named(damage, message,
 
 @pytest.fixture(scope="module")
 def run_with_checkpoints(tmp_path_factory) -> Path:
+    from finetune.tools.train import main
+
     out = tmp_path_factory.mktemp("run") / "out"
-    result = train("train.save_steps=1", f"train.output_dir={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(ROOT)
+        assert main([*BASE, "train.save_steps=1", f"train.output_dir={out}"]) == 0
     return out
 
 
@@ -282,16 +291,17 @@ def copy_run(run: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "name",
     ["trainer_state.json", "finetune_state.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt"],
 )
-def test_resuming_from_a_checkpoint_with_a_cut_file_names_it(name, run_with_checkpoints, tmp_path):
+def test_resuming_from_a_checkpoint_with_a_cut_file_names_it(name, run_with_checkpoints, tmp_path, capfd):
     out = copy_run(run_with_checkpoints, tmp_path)
     cut(out / "checkpoint-2" / name)
     before = snapshot(out)
-    result = train(f"train.output_dir={out}", "train.max_steps=3", f"train.resume_from={out / 'checkpoint-2'}")
+    result = train_here(
+        capfd, f"train.output_dir={out}", "train.max_steps=3", f"train.resume_from={out / 'checkpoint-2'}"
+    )
     # each file against the size recorded at save time; the state file, written after the sizes, by its kind
     assert_one_error(
         result,
@@ -301,21 +311,21 @@ def test_resuming_from_a_checkpoint_with_a_cut_file_names_it(name, run_with_chec
     assert snapshot(out) == before
 
 
-@pytest.mark.subprocess
-def test_resume_auto_with_the_newest_checkpoint_cut_resumes_from_the_one_before(run_with_checkpoints, tmp_path):
+def test_resume_auto_with_the_newest_checkpoint_cut_resumes_from_the_one_before(run_with_checkpoints, tmp_path, capfd):
     out = copy_run(run_with_checkpoints, tmp_path)
     cut(out / "checkpoint-2" / "optimizer.pt")
-    result = train(f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto")
+    result = train_here(capfd, f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"warning: {out / 'checkpoint-2'} is damaged (optimizer.pt: " in result.stderr
     assert f"resuming from {out / 'checkpoint-1'}" in result.stdout
 
 
-@pytest.mark.subprocess
-def test_a_resume_that_changes_the_data_order_is_refused_unless_allowed(run_with_checkpoints, tmp_path):
+def test_a_resume_that_changes_the_data_order_is_refused_unless_allowed(run_with_checkpoints, tmp_path, capfd):
     out = copy_run(run_with_checkpoints, tmp_path)
     before = snapshot(out)
-    result = train(f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto", "train.micro_batch_size=2")
+    result = train_here(
+        capfd, f"train.output_dir={out}", "train.max_steps=3", "train.resume_from=auto", "train.micro_batch_size=2"
+    )
     assert_one_error(
         result,
         r"^error: train\.resume_from: resuming with micro_batches_per_step 2 → 4, "
@@ -324,7 +334,8 @@ def test_a_resume_that_changes_the_data_order_is_refused_unless_allowed(run_with
         r"run had them, or set train\.resume_data_order_change=allow",
     )
     assert snapshot(out) == before
-    allowed = train(
+    allowed = train_here(
+        capfd,
         f"train.output_dir={out}",
         "train.max_steps=3",
         "train.resume_from=auto",
@@ -334,8 +345,7 @@ def test_a_resume_that_changes_the_data_order_is_refused_unless_allowed(run_with
     assert allowed.returncode == 0, allowed.stderr[-3000:]
 
 
-@pytest.mark.subprocess
-def test_an_empty_or_damaged_model_folder_is_one_line(run_with_checkpoints, tmp_path):
+def test_an_empty_or_damaged_model_folder_is_one_line(run_with_checkpoints, tmp_path, capfd):
     model = tmp_path / "model"
     shutil.copytree(run_with_checkpoints, model, ignore=shutil.ignore_patterns("checkpoint-*"))
     cut(model / "model.safetensors")
@@ -346,7 +356,7 @@ def test_an_empty_or_damaged_model_folder_is_one_line(run_with_checkpoints, tmp_
         "log:\n  wandb_mode: disabled\n"
     )
     out = tmp_path / "out"
-    result = train(f"recipe={recipe}", f"train.output_dir={out}")
+    result = train_here(capfd, f"recipe={recipe}", f"train.output_dir={out}")
     assert_one_error(
         result,
         rf"^error: model\.name_or_path={model}: damaged files \(model\.safetensors: cut short "
@@ -355,10 +365,10 @@ def test_an_empty_or_damaged_model_folder_is_one_line(run_with_checkpoints, tmp_
     )
 
 
-@pytest.mark.subprocess
-def test_an_error_during_training_gets_a_line_of_its_own_after_the_progress_bar(tmp_path):
+def test_an_error_during_training_gets_a_line_of_its_own_after_the_progress_bar(tmp_path, capfd):
     out = tmp_path / "out"
-    result = train(
+    result = train_here(
+        capfd,
         f"train.output_dir={out}",
         "train.on_nonfinite=stop",
         "optim.name=sgd",

@@ -122,7 +122,6 @@ def test_tuned_variants_run_or_say_why_not(tmp_path):
     assert f"SKIPPED: {LIGER_WHY}" in result.stdout
 
 
-@pytest.mark.slow  # the benchmark script's own process builds its model and data before it reaches the limit
 @pytest.mark.subprocess
 def test_no_arm_starts_after_the_time_limit_and_the_report_says_so(tmp_path):
     result, results = benchmark(tmp_path, "--arms", "hf_flatten,packed", "--time-limit", "0.001")

@@ -15,7 +15,7 @@ from finetune.data.chat_templates import CHATML, use_chat_template
 from finetune.data.text import load_sft_dataset
 from finetune.model.loading import load_tokenizer, model_folder
 from finetune.recipe import DataConfig, RecipeError, load_config
-from tests import launch
+from tests.launch import call
 
 CONVERSATIONS = [
     [("user", f"What is {k} plus {k}?"), ("assistant", f"It is {2 * k}."), ("user", "Sure?"), ("assistant", "Yes.")]
@@ -84,16 +84,16 @@ def test_template_file_is_used_as_given(base_model, tmp_path):
     assert labelled == "It is 0.<|endoftext|>Yes.<|endoftext|>"
 
 
-def run(argv: list[str], out: Path) -> subprocess.CompletedProcess:
+def run(capfd, argv: list[str], out: Path) -> subprocess.CompletedProcess:
     base = ["recipe=recipes/debug.yaml", "data.limit=16", "train.max_steps=2", "log.wandb_mode=disabled"]
-    return launch.run([*base, f"train.output_dir={out}", *argv], timeout=600)
+    return call(capfd, [*base, f"train.output_dir={out}", *argv])
 
 
-@pytest.mark.subprocess
-def test_base_model_trains_on_messages_with_chatml(base_model, tmp_path):
+def test_base_model_trains_on_messages_with_chatml(base_model, tmp_path, capfd):
     out = tmp_path / "out"
     model = [f"model.name_or_path={base_model}", "model.gguf_file=null"]
-    result = run([*model, f"data.source={messages_file(tmp_path / 'chat.jsonl')}", "data.chat_template=chatml"], out)
+    source = f"data.source={messages_file(tmp_path / 'chat.jsonl')}"
+    result = run(capfd, [*model, source, "data.chat_template=chatml"], out)
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.search(r"^step 2/2 .*loss \d", result.stdout, re.M), result.stdout
     assert (out / "chat_template.jinja").read_text() == CHATML  # served as it was trained
@@ -103,7 +103,6 @@ NOT_RENDERING = "{% for message in messages %}{{ message['content'] }"  # an unc
 NO_MARKER = "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "template, message",
     [
@@ -131,7 +130,7 @@ NO_MARKER = "{% for message in messages %}{{ message['role'] + ': ' + message['c
     ],
     ids=["no template", "no such file", "does not render", "no assistant marker"],
 )
-def test_bad_template_is_one_error_line_exit_2(base_model, tmp_path, template, message):
+def test_bad_template_is_one_error_line_exit_2(base_model, tmp_path, template, message, capfd):
     out = tmp_path / "out"
     argv = [f"model.name_or_path={base_model}", "model.gguf_file=null"]
     argv.append(f"data.source={messages_file(tmp_path / 'chat.jsonl')}")
@@ -140,7 +139,7 @@ def test_bad_template_is_one_error_line_exit_2(base_model, tmp_path, template, m
     elif template is not None:
         (tmp_path / "bad.jinja").write_text(template)
         argv.append(f"data.chat_template={tmp_path / 'bad.jinja'}")
-    result = run(argv, out)
+    result = run(capfd, argv, out)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-4000:]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe import RecipeError, accumulation_steps, load_config
+from tests.launch import call
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
@@ -89,17 +90,10 @@ BAD = [
 ]
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
-def test_bad_recipe_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path):
+def test_bad_recipe_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capfd):
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *argv, f"train.output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = call(capfd, [*argv, f"train.output_dir={out}"])
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr

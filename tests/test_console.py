@@ -3,19 +3,20 @@ samples after their evaluation's line, in a log file (no progress bar: no carria
 terminal (one bar, redrawn under whole lines: never a second bar's cursor moves, never a line glued behind a bar)."""
 
 import fcntl
+import logging
 import os
 import pty
 import re
+import signal
 import struct
-import subprocess
 import sys
 import termios
 import threading
-from pathlib import Path
+import time
+import traceback
 
-import pytest
+from tests.launch import ROOT, call
 
-ROOT = Path(__file__).resolve().parents[1]
 ARGS = [
     "recipe=recipes/debug.yaml",
     "data.limit=32",
@@ -44,29 +45,49 @@ def check_lines(lines: list[str]) -> None:
     assert glued == []
 
 
-@pytest.mark.subprocess
-def test_console_in_a_log_file_is_whole_lines(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *ARGS, f"train.output_dir={tmp_path / 'out'}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def test_console_in_a_log_file_is_whole_lines(tmp_path, capfd):
+    result = call(capfd, [*ARGS, f"train.output_dir={tmp_path / 'out'}"])
     assert result.returncode == 0, result.stderr[-4000:]
     for stream in (result.stdout, result.stderr):
         assert "\r" not in stream and "\x1b" not in stream, stream  # no bar: nothing redrawn, no cursor moved
     check_lines(result.stdout.splitlines())
 
 
+def on_terminal(fd: int) -> None:
+    """In a forked child: stdin from /dev/null, stdout and stderr on the terminal `fd`, as a process started there
+    has them (the streams and the library log handlers this process had point at pytest's capture)."""
+    old = {id(sys.stdout), id(sys.stderr)}
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # a terminal's: line-buffered
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for handler in [h for logger in loggers for h in getattr(logger, "handlers", ())]:
+        if isinstance(handler, logging.StreamHandler) and id(handler.stream) in old:
+            handler.setStream(sys.stderr)
+
+
 def run_in_terminal(argv: list[str], columns: int = 160) -> tuple[int, str]:
-    """(exit code, everything written to the terminal) of `argv` with stdout and stderr on one pseudo-terminal."""
+    """(exit code, everything written to the terminal) of the training command with `argv`, stdout and stderr on one
+    pseudo-terminal: in a child forked from this process, which has torch and transformers imported already."""
+    from finetune.tools.train import main as train_main
+
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    process = subprocess.Popen(
-        argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=child, stderr=child, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 70
+        try:
+            on_terminal(child)
+            os.chdir(ROOT)
+            code = train_main(argv)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     os.close(child)
     chunks: list[bytes] = []
 
@@ -82,15 +103,18 @@ def run_in_terminal(argv: list[str], columns: int = 160) -> tuple[int, str]:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    code = process.wait(timeout=600)
+    deadline = time.monotonic() + 600
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
     reader.join(timeout=30)
     os.close(main)
-    return code, b"".join(chunks).decode("utf-8", errors="replace")
+    return os.waitstatus_to_exitcode(status[1]), b"".join(chunks).decode("utf-8", errors="replace")
 
 
-@pytest.mark.subprocess
 def test_console_in_a_terminal_has_one_bar_under_whole_lines(tmp_path):
-    code, shown = run_in_terminal([sys.executable, "finetune/train.py", *ARGS, f"train.output_dir={tmp_path / 'out'}"])
+    code, shown = run_in_terminal([*ARGS, f"train.output_dir={tmp_path / 'out'}"])
     assert code == 0, shown[-4000:]
     assert "\x1b[A" not in shown  # a second bar (tqdm's nested bars move the cursor up)
     assert re.search(r"\| \d/4 \[", shown), shown[-2000:]  # the bar was drawn

@@ -11,16 +11,16 @@ import torch
 from finetune import TokenNormTrainer
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import ragged_rows, tiny_llama, train_recording
-from tests.launch import ROOT, torchrun
+from tests.launch import ROOT, forked_ranks
+from tests.workers import dist_worker
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_two_ranks_equal_one_process_full_batch(tmp_path):
     micro, accumulation, seed = 2, 3, 21
     rows = micro * accumulation * 2  # one window: every row, split across the two ranks
     out = str(tmp_path / "two_ranks.pt")
-    torchrun(["tests/workers/dist_worker.py", out, str(micro), str(accumulation), str(rows), str(seed)])
+    forked_ranks(dist_worker.main, out, micro, accumulation, rows, seed)
     two = torch.load(out, weights_only=True)
     tokens = two["rank_label_tokens"]
     assert tokens[0] != tokens[1], "the test needs uneven token counts per rank"
@@ -41,7 +41,7 @@ def test_two_ranks_equal_one_process_full_batch(tmp_path):
     assert logged["window_label_tokens"] == sum(tokens)
 
 
-@pytest.mark.subprocess
+@pytest.mark.subprocess  # how exit_process ends a real process: its exit code, exit handlers and interpreter teardown
 @pytest.mark.parametrize("world_size, torn_down", [("2", False), ("1", True)])
 def test_a_launched_rank_exits_with_its_code_after_the_exit_handlers_and_without_teardown(world_size, torn_down):
     result = subprocess.run(

@@ -5,10 +5,7 @@ samples, plot_run's eval curve, and bad eval input (one line, exit 2, nothing wr
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ from finetune.recipe import Batching, DataConfig, load_config
 from finetune.testing.reference import reference_gradient
 from finetune.tools import train
 from tests.data_files import chat, write_jsonl
-from tests.launch import TWO_RANKS
+from tests.launch import call, forked_ranks
 from tests.wandb_reader import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,8 +164,8 @@ def test_eval_loss_is_the_float64_token_mean_of_the_held_out_rows(mode, tmp_path
 # ---- a whole run: the eval series, W&B, the samples table, timings, the plot ----
 
 
-@pytest.mark.subprocess
-def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_samples_table(tmp_path):
+@pytest.mark.e2e
+def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_samples_table(tmp_path, capfd):
     out = tmp_path / "run"
     args = [
         *DEBUG,
@@ -181,14 +178,7 @@ def test_a_run_logs_its_evaluations_to_the_console_trainer_state_wandb_and_a_sam
         "eval.best_checkpoint=true",
         f"train.output_dir={out}",
     ]
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = call(capfd, args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     evals = eval_entries(history)
@@ -387,9 +377,14 @@ def test_verify_and_plan_work_with_eval_keys(tmp_path, capsys):
     assert "eval: micro-batch of 4 rows" in shown and "KV cache" in shown
 
 
-@pytest.mark.subprocess
+def train_passes(argv: list[str]) -> None:
+    """One rank of a two-rank training command: it must succeed."""
+    assert train.main(argv) == 0
+
+
+@pytest.mark.e2e
 @pytest.mark.distributed
-def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
+def test_two_ranks_evaluate_every_held_out_row_once(tmp_path, capfd):
     """12 eval rows in 3 micro-batches on 2 ranks: a fourth, target-free one pads them, so no rank repeats a row; the
     samples run the same number of steps on both ranks (no hang)."""
     common = [
@@ -403,20 +398,9 @@ def test_two_ranks_evaluate_every_held_out_row_once(tmp_path):
         "optim.lr=0.5",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for cmd in (
-        [sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"],
-        [
-            *TWO_RANKS,
-            "finetune/train.py",
-            *common,
-            f"train.output_dir={two}",
-        ],
-    ):
-        result = subprocess.run(
-            cmd, cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    result = call(capfd, [*common, f"train.output_dir={one}"], ACCELERATE_USE_CPU="true")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    forked_ranks(train_passes, [*common, f"train.output_dir={two}"], ACCELERATE_USE_CPU="true")
     evals = [eval_entries(json.loads((out / "trainer_state.json").read_text())["log_history"]) for out in (one, two)]
     assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]] == [0, 2]
     for a, b in zip(*evals):

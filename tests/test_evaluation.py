@@ -2,6 +2,8 @@
 unpadded), whatever the eval batch size, the last short batch or the number of ranks; a resumed run's log history
 equals the uninterrupted run's."""
 
+import json
+
 import pytest
 from transformers import Trainer
 
@@ -9,7 +11,8 @@ from finetune import TokenNormTrainer
 from finetune.testing.reference import reference_gradient
 from finetune.testing.toy import RecordingCollator, ragged_rows, sgd_args, tiny_llama
 from tests.dropin_models import KINDS, PadEachCollator
-from tests.launch import two_rank_eval
+from tests.launch import forked_ranks
+from tests.workers import eval_worker
 
 
 def eval_rows(n: int = 23, seed: int = 9):
@@ -57,10 +60,11 @@ def test_trainers_eval_loss_moves_with_the_eval_batch_size_where_ours_does_not(t
     assert max(errors) > 1e-5, errors  # ten times the bound ours holds (an untrained model's losses are all ~log V)
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
-    metrics = two_rank_eval("causal", tmp_path)
+    out = tmp_path / "eval.json"  # {eval batch size: [eval_loss, eval_label_tokens]}
+    forked_ranks(eval_worker.main, "causal", str(out), str(tmp_path / "trainer"))
+    metrics = json.loads(out.read_text())
     rows = eval_rows()  # 23 rows on 2 ranks in batches of 3: the last step repeats rows to fill its batches
     _, reference = reference_gradient(tiny_llama(), rows)
     for batch, (loss, tokens) in metrics.items():

@@ -1,7 +1,10 @@
 """Faults during a run: streamed runs stopped and resumed, saves that fail, machine faults at the boundary, changed
-recipes and data at resume, W&B without a network, signals however the run was launched (issue 21).
+recipes and data at resume, W&B without a network, signals however the run was launched.
 
-Every run here is the command a user runs (a subprocess on the debug recipe), stopped at a chosen moment."""
+Every run here is the command a user runs on the debug recipe, stopped at a chosen moment: in this process (`call`)
+where the behaviour is the run's files and lines; a process of its own where it is the process's (a signal, a file
+size limit, a dead peer, a launcher): forked from this one (tests/forks.py) unless the launcher is the
+behaviour."""
 
 import errno
 import json
@@ -16,24 +19,44 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.launch import ENV, ON_PATH, ONE_RANK, ROOT, TWO_RANKS, assert_same_run, signalled, torchrun
+from tests.forks import forked, forked_signalled, script
+from tests.launch import ENV, ON_PATH, ONE_RANK, ROOT, TWO_RANKS, assert_same_run, call, forked_ranks, process_logs
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
 TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
 STREAM = [*BASE, "data.streaming=true", "train.max_steps=6"]  # 2 optimizer steps per pass: 3 passes
 
 
-def run(args: list[str], env: dict | None = None, preexec=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "finetune/train.py", *args],
-        cwd=ROOT,
-        env={**ENV, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=preexec,
-    )
+RUN_ENV = {"OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"], "WANDB_MODE": ENV["WANDB_MODE"]}  # as a launched run has them
+
+
+@pytest.fixture(autouse=True)
+def threads_restored():
+    """A run in this process sets torch's thread count from OMP_NUM_THREADS (1, as the processes here have it: runs
+    compared bit for bit must reduce alike); the tests after it keep their own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(capfd, args: list[str], environ: dict = RUN_ENV) -> subprocess.CompletedProcess:
+    """finetune/train.py ARGS, called in this process with `environ` set; its library warnings reach its stderr as in
+    a process."""
+    with process_logs():
+        return call(capfd, args, **environ)
+
+
+def trained(args: list[str]) -> None:
+    """finetune/train.py ARGS in this process, for a fixture several tests share (no capfd there): it must succeed."""
+    from finetune.tools.train import main
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in RUN_ENV.items():
+            env.setenv(key, value)
+        env.chdir(ROOT)
+        assert main(args) == 0
 
 
 def checkpoint_names(out: Path) -> list[str]:
@@ -45,32 +68,25 @@ def checkpoint_names(out: Path) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
+def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path, capfd):
     reference = tmp_path / "reference"
-    done = run([*STREAM, "train.save_steps=2", f"train.output_dir={reference}"])
+    done = run(capfd, [*STREAM, "train.save_steps=2", f"train.output_dir={reference}"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert checkpoint_names(reference) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     state = json.loads((reference / "checkpoint-4" / "finetune_state.json").read_text())
     assert state["data_position"]["dataset_items"] == "stream"
 
     out = tmp_path / "stopped"
-    cmd = [
-        sys.executable,
-        "finetune/train.py",
-        *STREAM,
-        "train.save_steps=2",
-        f"train.output_dir={out}",
-        "train.resume_from=auto",
-    ]
-    code, stdout = signalled(cmd, signal.SIGTERM, "step 1/6")  # mid-pass, before the first save_steps checkpoint
+    args = [*STREAM, "train.save_steps=2", f"train.output_dir={out}", "train.resume_from=auto"]
+    code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 1/6")  # mid-pass, before the first checkpoint
     assert code == 0 and "stopped by SIGTERM" in stdout, stdout[-3000:]
     first = checkpoint_names(out)
     # the stop lands at the next micro-batch and saves the last optimizer step: step 1 (or a later one on a slow CPU)
     assert first and first[-1] in ("checkpoint-1", "checkpoint-2", "checkpoint-3"), first
-    code, stdout = signalled(cmd, signal.SIGTERM, "step 4/6")  # the second and third passes
+    code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 4/6")  # the second and third passes
     assert code == 0 and f"resuming from {out / first[-1]}" in stdout, stdout[-3000:]
     assert "stopped by SIGTERM" in stdout, stdout[-3000:]
-    finished = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    finished = run(capfd, args)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert_same_run(out, reference)
     for name in checkpoint_names(out):  # every checkpoint of the chain equals the reference's at its step
@@ -79,20 +95,25 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path):
     assert not (out / ".staging").exists()
 
 
+def rank_trains(args: list[str]) -> None:
+    """finetune/train.py ARGS on a rank of forked_ranks: it must exit 0."""
+    from finetune.tools.train import main
+
+    assert main(args) == 0
+
+
 @pytest.mark.e2e
-@pytest.mark.subprocess
 @pytest.mark.distributed
-def test_a_streamed_run_on_two_ranks_resumes_bitwise(tmp_path):
+def test_a_streamed_run_on_two_ranks_resumes_bitwise(tmp_path, capfd):
     args = [*BASE, "data.streaming=true", "train.max_steps=4", "train.save_steps=1"]
     reference = tmp_path / "reference"
-    done = torchrun(["finetune/train.py", *args, f"train.output_dir={reference}"], check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    forked_ranks(rank_trains, [*args, f"train.output_dir={reference}"])
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(reference / "checkpoint-1", out / "checkpoint-1")  # 2 ranks × 4 rows of 16: mid-pass
-    resumed = torchrun(["finetune/train.py", *args, f"train.output_dir={out}", "train.resume_from=auto"], check=False)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"resuming from {out / 'checkpoint-1'}" in resumed.stdout
+    capfd.readouterr()
+    forked_ranks(rank_trains, [*args, f"train.output_dir={out}", "train.resume_from=auto"])
+    assert f"resuming from {out / 'checkpoint-1'}" in capfd.readouterr().out
     assert_same_run(out, reference)
 
 
@@ -111,12 +132,10 @@ def assert_fault_line(result: subprocess.CompletedProcess, pattern: str) -> None
 
 
 @pytest.mark.subprocess
-def test_a_file_size_limit_hit_in_torch_save_is_one_line_and_leaves_no_staging(tmp_path):
+def test_a_file_size_limit_hit_in_torch_save_is_one_line_and_leaves_no_staging(tmp_path, capfd):
     out = tmp_path / "out"  # model.safetensors (12.6 MB) fits under 20 MB, optimizer.pt (25 MB, torch.save) does not
-    result = run(
-        [*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"],
-        preexec=limit_file_size(20 * 2**20),
-    )
+    args = [*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"]
+    result = forked(capfd, script, args, before=limit_file_size(20 * 2**20))  # the limit: the child process's own
     assert_fault_line(
         result,
         r"^error: train\.output_dir=\S+: writing checkpoint-1 failed \(torch\.save could not "
@@ -137,10 +156,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
-@pytest.mark.subprocess
-def test_a_full_disk_while_torch_save_writes_is_one_line_with_disk_advice(small_disk):
+def test_a_full_disk_while_torch_save_writes_is_one_line_with_disk_advice(small_disk, capfd):
     out = small_disk / "out"
-    result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
+    result = run(capfd, [*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
     assert_fault_line(
         result,
         r"^error: train\.output_dir=\S+: writing checkpoint-2 failed \((torch\.save could not "
@@ -150,8 +168,7 @@ def test_a_full_disk_while_torch_save_writes_is_one_line_with_disk_advice(small_
     assert os.statvfs(small_disk).f_bfree * os.statvfs(small_disk).f_frsize > 20 * 2**20  # nothing half-written left
 
 
-@pytest.mark.subprocess
-def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path):
+def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path, capfd):
     out = tmp_path / "out"
     staging = out / ".staging"  # where checkpoints are written first: a read-only file system
     staging.mkdir(parents=True)
@@ -160,7 +177,7 @@ def test_a_read_only_file_system_under_a_save_is_told_so(tmp_path):
     ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        result = run([*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
+        result = run(capfd, [*BASE, "train.max_steps=2", "train.save_steps=1", f"train.output_dir={out}"])
     finally:
         subprocess.run(["umount", "-l", str(staging)], capture_output=True)
     assert_fault_line(
@@ -260,8 +277,7 @@ def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
 def four_steps(tmp_path_factory) -> Path:
     """A run of 4 steps at lr 1e-3 with a checkpoint after each step."""
     out = tmp_path_factory.mktemp("four") / "out"
-    done = run([*BASE, "train.max_steps=4", "train.save_steps=1", f"train.output_dir={out}"])
-    assert done.returncode == 0, done.stderr[-3000:]
+    trained([*BASE, "train.max_steps=4", "train.save_steps=1", f"train.output_dir={out}"])
     return out
 
 
@@ -273,14 +289,13 @@ def from_checkpoint(run_dir: Path, step: int, tmp_path: Path) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
-def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_steps, tmp_path):
-    import torch
+def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_steps, tmp_path, capfd):
     from safetensors.torch import load_file
 
     assert (four_steps / "checkpoint-2" / "recipe.yaml").read_text().count("lr: 0.001") == 1
     out = from_checkpoint(four_steps, 2, tmp_path)
     result = run(
+        capfd,
         [
             *BASE,
             "train.max_steps=4",
@@ -288,7 +303,7 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
             f"train.output_dir={out}",
             "train.resume_from=auto",
             "optim.lr=5e-4",
-        ]
+        ],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: resuming with")]
@@ -315,7 +330,6 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -335,9 +349,9 @@ def test_a_new_lr_at_resume_is_applied_to_the_optimizer_and_stated_once(four_ste
         ),
     ],
 )
-def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change, message, four_steps, tmp_path):
+def test_a_changed_key_that_cannot_continue_is_refused_naming_both_values(change, message, four_steps, tmp_path, capfd):
     out = from_checkpoint(four_steps, 2, tmp_path)
-    result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto", change])
+    result = run(capfd, [*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto", change])
     assert_fault_line(result, r"^error: train\.resume_from: \S+checkpoint-2 " + message)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
 
@@ -380,9 +394,8 @@ def test_the_fingerprint_covers_every_row_and_not_the_chunking():
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
 @pytest.mark.parametrize("streaming", [False, True], ids=["in memory", "streamed"])
-def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(streaming, tmp_path):
+def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(streaming, tmp_path, capfd):
     data = chat_rows(tmp_path / "rows.jsonl", [f"answer number {k}." for k in range(16)])
     out = tmp_path / "out"
     args = [
@@ -392,10 +405,10 @@ def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(s
         f"train.output_dir={out}",
         f"data.streaming={str(streaming).lower()}",
     ]
-    first = run([*args, "train.save_steps=1", "train.max_steps=1"])
+    first = run(capfd, [*args, "train.save_steps=1", "train.max_steps=1"])
     assert first.returncode == 0, first.stderr[-3000:]
     chat_rows(data, [f"answer number {k}." if k != 3 else "another answer." for k in range(16)])  # one row changed
-    refused = run([*args, "train.resume_from=auto"])
+    refused = run(capfd, [*args, "train.resume_from=auto"])
     assert_fault_line(
         refused,
         r"^error: train\.resume_from: resuming with data_fingerprint [0-9a-f]{16} → "
@@ -403,7 +416,7 @@ def test_a_rewritten_data_file_of_the_same_row_count_is_refused_unless_allowed(s
         r"rows as read differ: the file was rewritten, or another one named\) as that run had "
         r"them, or set train\.resume_data_order_change=allow",
     )
-    allowed = run([*args, "train.resume_from=auto", "train.resume_data_order_change=allow"])
+    allowed = run(capfd, [*args, "train.resume_from=auto", "train.resume_data_order_change=allow"])
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "resuming with data_fingerprint" in allowed.stderr  # the warning
 
@@ -421,31 +434,29 @@ def silent_service():
     server.close()
 
 
-def wandb_env(tmp_path: Path, url: str, key: bool) -> dict:
-    env = {"HOME": str(tmp_path / "home"), "WANDB_BASE_URL": url, "WANDB_MODE": ""}  # no ~/.netrc
-    return {**env, "WANDB_API_KEY": "k" * 40} if key else env
+def wandb_env(monkeypatch, tmp_path: Path, url: str, key: bool) -> None:
+    """A HOME without ~/.netrc, the W&B service at `url`, WANDB_MODE unset, an API key or none; what a run sets of
+    W&B's variables is undone after the test."""
+    import finetune.tools.train  # noqa: F401  (the libraries read their cache folders from HOME once, at import)
+    from finetune.env import cache_dir
+
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_SILENT", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FINETUNE_CACHE", str(cache_dir()))  # the tokenizer converted once stays found: HOME moves
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    if key:
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
-def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(silent_service, tmp_path):
+def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(
+    silent_service, tmp_path, monkeypatch, capfd
+):
     out = tmp_path / "out"
-    env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, silent_service, key=True)}.items() if v}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "finetune/train.py",
-            *BASE,
-            "log.wandb_mode=auto",
-            "train.max_steps=1",
-            f"train.output_dir={out}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    wandb_env(monkeypatch, tmp_path, silent_service, key=True)
+    args = [*BASE, "log.wandb_mode=auto", "train.max_steps=1", f"train.output_dir={out}"]
+    result = run(capfd, args, {"OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"]})  # WANDB_MODE unset
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: log.wandb_mode=auto")]
     assert warnings == [
@@ -455,7 +466,6 @@ def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(sile
     assert list((out / "wandb").glob("offline-run-*"))
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "key, message",
     [
@@ -472,20 +482,14 @@ def test_wandb_auto_with_a_key_and_no_answer_logs_offline_after_one_warning(sile
     ],
     ids=["no key", "no network"],
 )
-def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(key, message, tmp_path):
+def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(
+    key, message, tmp_path, monkeypatch, capfd
+):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused at once
     out = tmp_path / "out"
-    env = {k: v for k, v in {**ENV, **wandb_env(tmp_path, url, key)}.items() if v}
-    if not key:
-        env.pop("WANDB_API_KEY", None)
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *BASE, "log.wandb_mode=online", f"train.output_dir={out}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    wandb_env(monkeypatch, tmp_path, url, key)
+    args = [*BASE, "log.wandb_mode=online", f"train.output_dir={out}"]
+    result = run(capfd, args, {"OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"]})  # WANDB_MODE unset
     assert_fault_line(result, message)
     assert not out.exists()
 
@@ -498,9 +502,7 @@ def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(
 def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_step(tmp_path):
     held = chat_rows(tmp_path / "eval.jsonl", [f"held-out answer {k} " * 6 for k in range(1200)])
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "finetune/train.py",
+    args = [
         *BASE,
         "train.max_steps=4",
         f"train.output_dir={out}",
@@ -509,22 +511,16 @@ def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_s
         "eval.micro_batch_size=4",
         "eval.samples=1",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 2/4" in line:  # the evaluation after step 2 (300 batches) starts now
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
-    stdout = "".join(lines)
+    # sent once "step 2/4" is printed: the evaluation after step 2 (300 batches) starts now
+    code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 2/4", merge=True)
+    assert code == 0, stdout[-3000:]
     assert "stopped by SIGTERM after optimizer step 2 of 4" in stdout, stdout[-3000:]  # not after step 3
     assert checkpoint_names(out) == ["checkpoint-2"]
     history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
     assert [e["step"] for e in history if "eval_loss" in e] == [0]  # the evaluation before step 1, not the cut one
 
 
+@pytest.mark.slow  # the launcher x signal matrix: SIGTERM to `accelerate launch`, its own process and a training one
 @pytest.mark.e2e
 @pytest.mark.subprocess
 def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp_path):
@@ -560,6 +556,7 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp
     assert not (out / "model.safetensors").exists()  # stopped, not trained to the end
 
 
+@pytest.mark.slow  # the launcher x signal matrix: SIGTERM to torchrun and two ranks, the launcher's exit code
 @pytest.mark.e2e
 @pytest.mark.subprocess
 @pytest.mark.distributed
@@ -615,11 +612,10 @@ def train_loss(folder: Path) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
 @pytest.mark.parametrize("start", [2, 4], ids=["mid-run", "nothing left"])
-def test_a_resumed_run_reports_the_whole_runs_train_loss_and_no_missing_tied_head(start, four_steps, tmp_path):
+def test_a_resumed_run_reports_the_whole_runs_train_loss_and_no_missing_tied_head(start, four_steps, tmp_path, capfd):
     out = from_checkpoint(four_steps, start, tmp_path)
-    result = run([*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto"])
+    result = run(capfd, [*BASE, "train.max_steps=4", f"train.output_dir={out}", "train.resume_from=auto"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "missing keys" not in result.stderr and "lm_head" not in result.stderr
     assert train_loss(out) == train_loss(four_steps) > 0  # bitwise: the same sum in the same order
@@ -705,6 +701,7 @@ LAUNCHERS = {
 }
 
 
+@pytest.mark.slow  # the launcher x signal matrix: each launcher as PID 1 of a PID namespace, its ranks under it
 @pytest.mark.e2e
 @pytest.mark.subprocess
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
@@ -722,6 +719,7 @@ def test_each_launcher_as_a_containers_pid_1_saves_on_its_stop(launcher, pid_nam
     assert code == launcher_code, stdout[-3000:]
 
 
+@pytest.mark.slow  # `accelerate launch` of one process as PID 1 of a PID namespace: the launcher is the behaviour
 @pytest.mark.e2e
 @pytest.mark.subprocess
 def test_a_one_process_accelerate_launch_as_pid_1_warns_once_with_the_command_to_run(pid_namespace, tmp_path):

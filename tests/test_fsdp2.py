@@ -1,6 +1,6 @@
 """FSDP2 (`fully_shard`, 2 CPU ranks on gloo) keeps the window's token normalization and the global-norm clip exact.
 
-One launch (tests/workers/fsdp2_worker.py) runs four one-window trainings on the same 12 ragged rows, uneven label
+One run of tests/workers/fsdp2_worker.py runs four one-window trainings on the same 12 ragged rows, uneven label
 tokens per rank: by hand through torch, and through TokenNormTrainer on a model sharded at load time by transformers;
 each with gradients reduced once per window and after every micro-batch (train.sync_each_batch). Every applied update
 (SGD, lr 1) must equal the clipped float64 token-mean gradient of the whole window, computed one sequence at a time."""
@@ -10,9 +10,10 @@ import torch
 
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import ragged_rows, tiny_llama
-from tests.launch import torchrun
+from tests.launch import forked_ranks
+from tests.workers import fsdp2_worker
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch
+pytestmark = pytest.mark.distributed  # two gloo ranks, forked
 ROWS, SEED = 12, 21  # 2 ranks × 3 micro-batches × 2 rows: one window holds every row
 MAX_NORM = 0.25  # well below the window's gradient norm (~0.9), so the clip is active
 
@@ -22,7 +23,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     tiny_llama().save_pretrained(tmp / "tiny")  # the trainer path loads it sharded; same weights as tiny_llama()
     out = tmp / "results.pt"
-    torchrun(["tests/workers/fsdp2_worker.py", str(out), str(tmp / "tiny"), str(ROWS), str(SEED), str(MAX_NORM)])
+    forked_ranks(fsdp2_worker.main, str(out), str(tmp / "tiny"), ROWS, SEED, MAX_NORM)
     return torch.load(out, weights_only=False)
 
 

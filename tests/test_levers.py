@@ -152,6 +152,7 @@ def trained(overrides: list[str], output_dir: Path) -> tuple[list[dict], dict]:
     return steps, {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
+@pytest.mark.slow  # slow: inductor builds the compiled layers' C++ kernels on the CPU, 30-60 s a case on a cold cache
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "overrides",

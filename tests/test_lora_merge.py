@@ -14,15 +14,16 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from finetune.model.loading import load_model, model_folder
 from finetune.recipe import load_config
-from tests import launch
+from tests.launch import call
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=32", "log.wandb_mode=disabled"]
 LORA = ["model.lora.enabled=true", "model.lora.merge=true"]
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
-def run(argv: list[str], out: Path) -> subprocess.CompletedProcess:
-    return launch.run([*BASE, f"train.output_dir={out}", *argv], timeout=600)
+def run(capfd, argv: list[str], out: Path) -> subprocess.CompletedProcess:
+    """finetune/train.py's main on the debug recipe with `argv`, in this process."""
+    return call(capfd, [*BASE, f"train.output_dir={out}", *argv])
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -31,13 +32,13 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.subprocess
-def test_merged_lora_loads_without_peft_with_peft_merged_logits(tmp_path):
+@pytest.mark.e2e
+def test_merged_lora_loads_without_peft_with_peft_merged_logits(tmp_path, capfd):
     from peft import PeftModel
 
     out = tmp_path / "out"
     evaluation = ["eval.fraction=0.25", "eval.every_steps=2", "eval.samples=0", "eval.best_checkpoint=true"]
-    result = run([*LORA, "model.lora.target_modules=all-linear", *evaluation], out)
+    result = run(capfd, [*LORA, "model.lora.target_modules=all-linear", *evaluation], out)
     assert result.returncode == 0, result.stderr[-4000:]
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     cfg = load_config([*BASE, "model.lora.enabled=false"])
@@ -61,7 +62,6 @@ def test_merged_lora_loads_without_peft_with_peft_merged_logits(tmp_path):
         torch.testing.assert_close(logits(merged, ids), trained, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -84,7 +84,7 @@ def test_merged_lora_loads_without_peft_with_peft_merged_logits(tmp_path):
     ],
     ids=["merge without lora", "all-linear with names", "merge with a quantized base"],
 )
-def test_bad_merge_is_one_error_line_exit_2(tmp_path, argv, message):
+def test_bad_merge_is_one_error_line_exit_2(tmp_path, capfd, argv, message):
     if "QUANTIZED" in argv:  # a folder whose config.json says its weights are 4-bit bitsandbytes
         cfg = load_config(BASE)
         config = json.loads((Path(model_folder(cfg.model)) / "config.json").read_text())
@@ -94,7 +94,7 @@ def test_bad_merge_is_one_error_line_exit_2(tmp_path, argv, message):
         (folder / "config.json").write_text(json.dumps(config))
         argv = [a for a in argv if a != "QUANTIZED"] + [f"model.name_or_path={folder}", "model.gguf_file=null"]
     out = tmp_path / "out"
-    result = run(argv, out)
+    result = run(capfd, argv, out)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-4000:]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]

@@ -179,26 +179,16 @@ def test_torch_optimizers_get_the_same_groups(name, cls):
     assert decays == [(0.0, 4), (0.1, 3)]  # biases and the LayerNorm: no decay; the three weight matrices: decay
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_fsdp2_sharded_parameters_get_full_tensor_trust_ratios(tmp_path):
     """Under FSDP2 each rank holds a shard; the norms (foreach over DTensors) must be those of the whole tensor."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    worker, result = Path(__file__).parent / "workers" / "fsdp2_optim_worker.py", tmp_path / "errors.json"
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    run = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(worker), str(result)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+    from tests.launch import forked_ranks
+    from tests.workers import fsdp2_optim_worker
+
+    result = tmp_path / "errors.json"
+    forked_ranks(fsdp2_optim_worker.main, str(result))
     errors = json.loads(result.read_text())
     assert errors["lamb"] < 1e-6 and errors["lars"] < 1e-6, errors
 

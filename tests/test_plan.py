@@ -14,6 +14,7 @@ import yaml
 from finetune.recipe import RecipeError, load_config
 from finetune.tools import memory_trials
 from finetune.tools import plan as planner
+from tests.launch import call
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = "recipe=recipes/debug.yaml"
@@ -49,8 +50,15 @@ def plan_in_own_process(recipe: list[str]) -> dict:
 
 
 @pytest.mark.e2e  # builds the recipe's trainer and runs real training steps
-@pytest.mark.subprocess  # in a fresh process, as finetune-plan runs: see tests/workers/plan_worker.py
-@pytest.mark.parametrize("recipe", [[DEBUG], QLORA], ids=["debug", "qlora"])
+@pytest.mark.subprocess  # a fresh process as finetune-plan runs: the plan reads its RSS (tests/workers/plan_worker.py)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param([DEBUG], id="debug"),
+        # slow: a fresh process planning the 4-bit model with real training steps, over the default tier's budget
+        pytest.param(QLORA, id="qlora", marks=pytest.mark.slow),
+    ],
+)
 def test_the_choice_fits_keeps_the_global_batch_and_its_peak_is_predicted_within_10_percent(recipe):
     # Just less memory than a step at micro-batch 32 takes: the plan must pick a smaller micro-batch that fits.
     r = plan_in_own_process(recipe)
@@ -130,19 +138,18 @@ def test_gpu_search_treats_out_of_memory_as_not_fitting():
     assert planner.plan(cfg, 1, headroom=0.1, memory_gib=1.9, trials=GpuLikeTrials()).value == 6
 
 
-@pytest.mark.subprocess
-def test_auto_micro_batch_in_training(tmp_path):
+@pytest.mark.e2e
+def test_auto_micro_batch_in_training(tmp_path, capfd):
     out = tmp_path / "auto"
-    result = run(
+    result = call(
+        capfd,
         [
-            sys.executable,
-            "finetune/train.py",
             DEBUG,
             "train.micro_batch_size=auto",
             "train.global_batch_size=16",
             "train.max_steps=1",
             f"train.output_dir={out}",
-        ]
+        ],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     chosen = int(re.search(r"train.micro_batch_size=auto → (\d+)", result.stdout).group(1))
@@ -152,14 +159,13 @@ def test_auto_micro_batch_in_training(tmp_path):
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["micro_batch_size"] == chosen
 
 
-@pytest.mark.subprocess
-def test_recipe_errors():
+def test_recipe_errors(capfd):
     for args in (["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"]):
-        trained = run([sys.executable, "finetune/train.py", *args])
-        planned = run([sys.executable, "-m", "finetune.plan", *args])
+        trained = call(capfd, args)
+        planned = call(capfd, args, tool="finetune.plan")
         assert trained.returncode == planned.returncode == 2
         assert planned.stderr.startswith("error: ") and planned.stderr == trained.stderr
-    nothing = run([sys.executable, "-m", "finetune.plan", DEBUG, "plan.memory_gib=0.1"])
+    nothing = call(capfd, [DEBUG, "plan.memory_gib=0.1"], tool="finetune.plan")
     assert nothing.returncode == 2 and nothing.stderr.splitlines()[-1].startswith("error: nothing fits")
     with pytest.raises(RecipeError, match="must be a positive integer or auto"):
         load_config([DEBUG, "train.micro_batch_size=eight"])

@@ -2,8 +2,6 @@
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,7 @@ def read_png(path):
 
 
 @pytest.mark.e2e
-@pytest.mark.subprocess
-def test_a_real_debug_run_plots_its_four_series(tmp_path):
+def test_a_real_debug_run_plots_its_four_series(tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(["recipe=recipes/debug.yaml", "train.max_steps=3", f"train.output_dir={out}"]) == 0
     steps = plot_run.load_steps(str(out))
@@ -45,8 +42,8 @@ def test_a_real_debug_run_plots_its_four_series(tmp_path):
     else:
         assert "not logged" in speed_ax.texts[0].get_text()
 
-    result = subprocess.run([sys.executable, "scripts/plot_run.py", str(out)], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    capsys.readouterr()
+    assert plot_run.main([str(out)]) == 0, capsys.readouterr().err
     image = read_png(out / "run.png")
     assert image.shape[:2] == (7 * 120, 11 * 120)  # figsize × dpi
 

@@ -12,7 +12,7 @@ import torch
 from finetune.model import loading
 from finetune.model.freeze import check_lora
 from finetune.recipe import RecipeError, load_config
-from tests.launch import ROOT
+from tests.launch import ROOT, run
 
 DEBUG = f"recipe={ROOT / 'recipes' / 'debug.yaml'}"
 QLORA = [DEBUG, "model.quantization.bits=4", "model.lora.enabled=true", "model.lora.target_modules=all-linear"]
@@ -115,7 +115,6 @@ def test_a_base_that_is_already_quantized_is_refused_before_it_loads(tmp_path):
         check_lora(cfg.model, str(folder), vision=False)
 
 
-@pytest.mark.slow  # four QLoRA runs of two steps, one per optimizer, compared with each other
 def test_the_exact_token_mean_gradient_reaches_every_optimizer_unchanged(tmp_path):
     """The optimizer takes the gradient, never makes it: step 1's loss and gradient norm are bitwise the same under
     torch's AdamW and each bitsandbytes AdamW, on the same 4-bit base; paged states (host memory on a CPU) are the
@@ -207,3 +206,16 @@ def test_an_evaluation_on_an_avx512_cpu_leaves_the_4bit_weights_as_training_read
     for name, grad in got.items():
         assert grad.abs().max() > 0, name
         assert torch.allclose(grad, reference[name], rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.subprocess  # what libraries print when they are first imported: a fresh process's stderr
+def test_a_qlora_run_with_an_evaluation_prints_nothing_on_stderr(tmp_path):
+    """A 4-bit base with LoRA that evaluates before and between its steps: peft imports bitsandbytes, which on a CPU
+    with AVX-512 BF16 logs a kernel it could not fetch, and the evaluation is where it would repack the weights (torch
+    then warns of a kernel with no autograd). The run's stderr holds no line at all, on either kind of CPU."""
+    out = tmp_path / "out"
+    argv = [*QLORA, "train.max_steps=1", "data.limit=16", "eval.fraction=0.25", "eval.limit=2", "eval.every_steps=1"]
+    result = run([*argv, f"train.output_dir={out}", "log.wandb_mode=disabled"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == "", result.stderr
+    assert "eval loss" in result.stdout or "eval_loss" in result.stdout, result.stdout[-2000:]

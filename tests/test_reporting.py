@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,32 +10,26 @@ from transformers import DataCollatorWithFlattening
 
 from finetune.core.meter import batch_counts, flops_per_token, matmul_parameters
 from finetune.testing.toy import ragged_rows, tiny_llama
+from tests.launch import call
 from tests.wandb_reader import read_run
 
-ROOT = Path(__file__).resolve().parents[1]
 STEP_KEYS = ["loss", "learning_rate", "grad_norm", "clip_factor", "window_label_tokens", "padding_efficiency"]
 # measured, not reproducible: in W&B and on the console, not in trainer_state.json (a resume must reproduce that)
 TIMING_KEYS = ["real_tokens_per_s", "computed_tokens_per_s", "samples_per_s", "peak_mem_mb", "mfu"]
 
 
-def run_debug(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", f"train.output_dir={out}", *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
-    )
+def run_debug(capfd, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """finetune/train.py's main on the debug recipe, in this process; it must succeed."""
+    result = call(capfd, ["recipe=recipes/debug.yaml", f"train.output_dir={out}", *overrides])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
 
-@pytest.mark.subprocess
-def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path):
+@pytest.mark.e2e
+def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path, capfd):
     out = tmp_path / "run"
     # a peak of 1 TFLOP/s makes the MFU series exist on a CPU
-    result = run_debug(out, "log.wandb_mode=offline", "log.peak_tflops=1.0", "log.run_name=debug-wandb")
+    result = run_debug(capfd, out, "log.wandb_mode=offline", "log.peak_tflops=1.0", "log.run_name=debug-wandb")
     state = json.loads((out / "trainer_state.json").read_text())
     steps = [e for e in state["log_history"] if "grad_norm" in e]
     assert [e["step"] for e in steps] == [1, 2, 3, 4]
@@ -66,10 +59,10 @@ def test_offline_wandb_run_holds_the_recipe_and_every_step_series(tmp_path):
         assert f"  {row} " in result.stdout
 
 
-@pytest.mark.subprocess
-def test_mfu_is_real_tokens_times_model_flops_over_peak(tmp_path):
+@pytest.mark.e2e
+def test_mfu_is_real_tokens_times_model_flops_over_peak(tmp_path, capfd):
     out = tmp_path / "mfu"
-    run_debug(out, "log.peak_tflops=0.5", "train.max_steps=2", "log.wandb_mode=offline")
+    run_debug(capfd, out, "log.peak_tflops=0.5", "train.max_steps=2", "log.wandb_mode=offline")
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     steps = [h for h in read_run(run_file)[0] if "train/loss" in h]
     from transformers import AutoModelForCausalLM
@@ -106,10 +99,10 @@ def test_batch_counts_for_padded_and_packed_batches():
     assert batch_counts(padded) == [targets, total, 5 * width, 5]
 
 
-@pytest.mark.subprocess
-def test_profile_steps_write_a_table_and_a_trace(tmp_path):
+@pytest.mark.e2e
+def test_profile_steps_write_a_table_and_a_trace(tmp_path, capfd):
     out = tmp_path / "prof"
-    result = run_debug(out, "train.profile_steps=[2,3]")
+    result = run_debug(capfd, out, "train.profile_steps=[2,3]")
     table = (out / "profile_steps_2-3.txt").read_text()
     assert "aten::" in table and "Self CPU" in table
     trace = json.loads((out / "profile_steps_2-3.trace.json").read_text())

@@ -205,15 +205,15 @@ def test_require_exact_refuses_a_model_that_re_aligns_its_labels(tmp_path):
         trainer.train()
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_on_two_ranks_a_foreign_loss_equals_trainer_and_an_own_optimizer_keeps_the_veto(tmp_path):
-    from tests.launch import torchrun
+    from tests.launch import forked_ranks
+    from tests.workers import subclass_worker
 
     runs = {}
     for base, case in (("ours", "model_loss"), ("trainer", "model_loss"), ("ours", "own_optimizer")):
         out = str(tmp_path / f"{base}-{case}.pt")
-        torchrun(["tests/workers/subclass_worker.py", out, base, case])
+        forked_ranks(subclass_worker.main, out, base, case)
         runs[base, case] = torch.load(out, weights_only=True)["snapshots"]
     ours, stock = runs["ours", "model_loss"], runs["trainer", "model_loss"]
     assert len(ours) == len(stock) == 3  # 12 rows over 2 ranks × 2 × 2: 2 steps

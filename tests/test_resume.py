@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from finetune.recipe import RecipeError, TrainConfig, load_config
 from finetune.training import checkpoints
-from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_same_run, run, signalled, step_logs
+from tests.forks import forked, forked_signalled, resume_main, resume_rank
+from tests.launch import ENV, ROOT, assert_same_run, call, forked_ranks, step_logs
 
 COMMON = [
     "recipe=recipes/debug.yaml",
@@ -246,33 +247,24 @@ def test_resuming_with_other_data_or_ranks_is_an_error_unless_allowed_then_warns
     assert len(warnings) == 1 and warnings[0].startswith("resuming with dataset_items 16 → 12: the data order")
 
 
-def worker(kill_at: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "tests/workers/resume_worker.py",
-        kill_at,
-        *COMMON,
-        "train.save_steps=1",
-        f"train.output_dir={out}",
-        "train.resume_from=auto",
-        *extra,
-    ]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+def killed_args(out: Path) -> list[str]:
+    return [*COMMON, "train.save_steps=1", f"train.output_dir={out}", "train.resume_from=auto"]
 
 
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path):
+def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path, capfd):
     out = tmp_path / "killed"
-    first = worker("window:2", out)  # SIGKILL inside step 2's window: checkpoint-1 is the newest
+    # tests/workers/resume_worker.py's kills, each in a process forked from this one: SIGKILL ends that process only
+    first = forked(capfd, resume_main, "window:2", killed_args(out))  # inside step 2's window: checkpoint-1 the newest
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
-    second = worker("save:3", out)  # SIGKILL while checkpoint-3 is being written
+    second = forked(capfd, resume_main, "save:3", killed_args(out))  # SIGKILL while checkpoint-3 is being written
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-1'}" in second.stdout
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert (out / checkpoints.STAGING / "checkpoint-3" / "model.safetensors").is_file()  # half-written, not resumed
-    third = worker("none", out)
+    third = call(capfd, killed_args(out))  # the resume that finishes: in this process
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-2'}" in third.stdout
     assert not (out / checkpoints.STAGING).exists()
@@ -281,10 +273,11 @@ def test_kill_9_mid_window_then_mid_save_resumes_bitwise(reference, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(reference, tmp_path):
+def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(reference, tmp_path, capfd):
     out = tmp_path / "signalled"
     argv = [*COMMON, f"train.output_dir={out}"]  # no train.save_steps: only the signal makes a checkpoint
-    code, stdout = signalled([sys.executable, "finetune/train.py", *argv], signal.SIGTERM, "step 1/4")
+    # `python finetune/train.py ARGV` in a process forked from this one, signalled as a fresh one would be
+    code, stdout, _ = forked_signalled(argv, signal.SIGTERM, "step 1/4")
     assert code == 0, stdout[-3000:]
     stopped = re.search(r"stopped by SIGTERM after optimizer step (\d) of 4; checkpoint: (\S+)", stdout)
     assert stopped, stdout[-3000:]
@@ -293,13 +286,15 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
     command = re.search(r"^resume with: (.+)$", stdout, re.M).group(1)
     assert shlex.split(command) == [sys.executable, "finetune/train.py", *argv, "train.resume_from=auto"]
 
-    code, stdout = signalled(shlex.split(command), signal.SIGINT, "resuming from")  # during start-up
+    resume_args = shlex.split(command)[2:]  # after the interpreter and the script, as asserted above
+    code, stdout, _ = forked_signalled(resume_args, signal.SIGINT, "resuming from")  # during start-up
     assert code == 0 and "stopped by SIGINT" in stdout, stdout[-3000:]
-    finished = subprocess.run(shlex.split(command), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    finished = call(capfd, resume_args)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert_same_run(out, reference("padded"))
 
 
+@pytest.mark.slow  # the soak script: its reference and every run it kills a fresh interpreter of its own
 @pytest.mark.subprocess
 def test_soak_quick_resumes_every_kill_identically():
     result = subprocess.run(
@@ -394,18 +389,21 @@ RANKS = {1: ["data.limit=8", "train.global_batch_size=4"], 2: ["data.limit=16", 
 _mid_window_references: dict[int, Path] = {}
 
 
-def launched(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
-    """tests/workers/resume_worker.py `args` on one process, or on two CPU ranks under `accelerate launch`."""
-    launcher = [sys.executable] if ranks == 1 else [*TWO_RANKS]
-    env = {**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH}
-    cmd = [*launcher, "tests/workers/resume_worker.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def launched(capfd, ranks: int, kill_at: str, args: list[str]) -> subprocess.CompletedProcess:
+    """tests/workers/resume_worker.py KILL_AT ARGS in one process, or on two CPU (gloo) ranks, forked from this one (a
+    rank that fails fails the test); its exit code and output."""
+    if ranks == 1:
+        return forked(capfd, resume_main, kill_at, args, ACCELERATE_USE_CPU="true")
+    capfd.readouterr()
+    forked_ranks(resume_rank, kill_at, args, ACCELERATE_USE_CPU="true")
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["resume_worker", kill_at, *args], 0, out, err)
 
 
-def mid_window_reference(ranks: int, tmp_path_factory) -> Path:
+def mid_window_reference(capfd, ranks: int, tmp_path_factory) -> Path:
     if ranks not in _mid_window_references:
         out = tmp_path_factory.mktemp(f"mid-window-reference-{ranks}")
-        done = launched(ranks, ["none", *MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}"])
+        done = launched(capfd, ranks, "none", [*MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}"])
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         _mid_window_references[ranks] = out
     return _mid_window_references[ranks]
@@ -422,12 +420,12 @@ def mid_window_reference(ranks: int, tmp_path_factory) -> Path:
     ],
 )
 def test_sigterm_mid_window_applies_none_of_it_and_the_resume_equals_the_uninterrupted_run_bitwise(
-    ranks, step, tmp_path_factory, tmp_path
+    ranks, step, tmp_path_factory, tmp_path, capfd
 ):
-    reference = mid_window_reference(ranks, tmp_path_factory)
+    reference = mid_window_reference(capfd, ranks, tmp_path_factory)
     out = tmp_path / "stopped"
     args = [*MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}", "train.resume_from=auto"]
-    stopped = launched(ranks, [f"term:{step}", *args])
+    stopped = launched(capfd, ranks, f"term:{step}", args)
     assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-3000:]
     cut = re.search(rf"optimizer step {step} stopped after (\d) of its 4 micro-batches", stopped.stdout)
     assert cut and 1 <= int(cut.group(1)) <= 3, stopped.stdout[-3000:]  # mid-window, not at its end
@@ -435,15 +433,16 @@ def test_sigterm_mid_window_applies_none_of_it_and_the_resume_equals_the_uninter
     assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{step - 1}"]
     assert checkpoints.checkpoint_step(str(out / f"checkpoint-{step - 1}")) == step - 1
     assert not (out / "model.safetensors").exists()
-    resumed = launched(ranks, ["none", *args])
+    resumed = launched(capfd, ranks, "none", args)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"resuming from {out / f'checkpoint-{step - 1}'}" in resumed.stdout
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow  # two optimizer steps of 128 micro-batches, trained twice (the reference, the stop and its resume)
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_sigterm_in_a_window_of_128_micro_batches_saves_and_exits_within_20_s_and_resumes_bitwise(tmp_path):
+def test_sigterm_in_a_window_of_128_micro_batches_saves_and_exits_within_20_s_and_resumes_bitwise(tmp_path, capfd):
     """The issue's bound: a container's grace period (30 s on Kubernetes) is shorter than a window of 128
     micro-batches; the stop comes at the next micro-batch."""
     args = [
@@ -456,26 +455,17 @@ def test_sigterm_in_a_window_of_128_micro_batches_saves_and_exits_within_20_s_an
         "log.wandb_mode=disabled",
     ]
     reference, out = tmp_path / "reference", tmp_path / "stopped"
-    done = run([*args, f"train.output_dir={reference}"], timeout=600)
+    done = call(capfd, [*args, f"train.output_dir={reference}"])  # the uninterrupted run: in this process
     assert done.returncode == 0, done.stderr[-3000:]
-    cmd = [sys.executable, "finetune/train.py", *args, f"train.output_dir={out}", "train.resume_from=auto"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 1/2" in line:
-            time.sleep(1.0)  # into the second window
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    code, took = proc.wait(timeout=600), time.monotonic() - sent
-    stdout = "".join(lines)
-    assert code == 0, stdout[-3000:]
+    stopped_args = [*args, f"train.output_dir={out}", "train.resume_from=auto"]
+    # a process forked from this one, sent SIGTERM 1 s after "step 1/2" (into the second window); its exit awaited
+    code, stdout, sent = forked_signalled(stopped_args, signal.SIGTERM, "step 1/2", delay=1.0)
+    took = time.monotonic() - sent if sent is not None else None
+    assert code == 0 and took is not None, stdout[-3000:]
     cut = re.search(r"optimizer step 2 stopped after (\d+) of its 128 micro-batches", stdout)
     assert cut and 1 <= int(cut.group(1)) < 127, stdout[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
     assert took < 20, f"{took:.1f} s from SIGTERM to exit"
-    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    resumed = call(capfd, stopped_args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(out, reference)

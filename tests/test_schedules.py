@@ -1,11 +1,10 @@
 """Schedules against torch's OneCycleLR and independent formulas at every optimizer step, in-process and through
-`finetune/train.py` (with accumulation, and on two CPU ranks); LR scaling; the start-up line; bad input."""
+`finetune/train.py`'s main (with accumulation, and on two forked CPU ranks); LR scaling; the start-up line; bad
+input."""
 
+import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from finetune.recipe import RecipeError, ScheduleConfig, load_config, resolve_plan
 from finetune.recipe.run_plan import peak_lr, scaled_lr
+from finetune.tools import train
 from finetune.training.schedules import (
     build_scheduler,
     check_schedule,
@@ -20,9 +20,8 @@ from finetune.training.schedules import (
     lr_per_step,
     startup_line,
 )
-from tests.launch import TWO_RANKS
+from tests.launch import ROOT, call, forked_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 
 
@@ -168,11 +167,16 @@ def test_start_up_line_of_a_token_budget_recipe_reads_the_base_in_tokens():
 # ---- through finetune/train.py, as users run it ----
 
 
-def run(cmd, env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def run(capfd, argv):
+    """finetune/train.py's main on `argv`, in this process; it must succeed."""
+    result = call(capfd, argv)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
+
+
+def train_rank(argv: list[str]) -> None:
+    """One rank of a two-rank run (forked_ranks), as `accelerate launch finetune/train.py argv…` runs it."""
+    assert train.main(argv) == 0
 
 
 def logged(output_dir):
@@ -181,15 +185,15 @@ def logged(output_dir):
     return state, [e["learning_rate"] for e in steps], [e["step"] for e in steps]
 
 
-@pytest.mark.subprocess
+@pytest.mark.e2e
 @pytest.mark.distributed
-def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_step(tmp_path):
+def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_step(tmp_path, capfd):
     """64 rows, global batch 16 = micro 4 × accumulation 2 × 2 ranks: 4 optimizer steps per epoch, 2 epochs → 8."""
     out = tmp_path / "two"
-    result = run(
+    capfd.readouterr()
+    forked_ranks(
+        train_rank,
         [
-            *TWO_RANKS,
-            "finetune/train.py",
             f"recipe={DEBUG}",
             "train.max_steps=-1",
             "train.epochs=2",
@@ -201,25 +205,25 @@ def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_st
             "optim.base_batch_size=8",
             f"train.output_dir={out}",
         ],
-        env={"ACCELERATE_USE_CPU": "true"},
+        ACCELERATE_USE_CPU="true",
     )
+    printed = capfd.readouterr().out
     assert (
         "effective batch 16 sequences = micro 4 × accumulation 2 × 2 ranks; lr 1e-3 → 2e-3 (linear rule, base 8)"
         "; 8 optimizer steps"
-    ) in result.stdout
+    ) in printed
     state, lrs, steps = logged(out)
     assert state["global_step"] == 8 and steps == list(range(1, 9))
     assert_close_all(lrs, torch_onecycle_lrs(8, 2e-3, ScheduleConfig(name="onecycle", pct_start=0.3)))
 
 
-@pytest.mark.subprocess
-def test_warmup_cosine_with_accumulation_through_the_script(tmp_path):
+@pytest.mark.e2e
+def test_warmup_cosine_with_accumulation_through_the_script(tmp_path, capfd):
     out = tmp_path / "one"
     cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=2, warmup="quadratic", min_lr_ratio=0.1)
     result = run(
+        capfd,
         [
-            sys.executable,
-            "finetune/train.py",
             f"recipe={DEBUG}",
             "train.max_steps=6",
             "train.global_batch_size=16",
@@ -332,11 +336,11 @@ def test_onecycle_whose_warmup_phase_is_one_step_builds(total, pct_start):
         assert lrs[1] > 0.9 and lrs[1:] == sorted(lrs[1:], reverse=True)  # then the anneal
 
 
-@pytest.mark.subprocess
-def test_a_2_step_run_with_a_5_step_warmup_trains_with_one_note(tmp_path):
+@pytest.mark.e2e
+def test_a_2_step_run_with_a_5_step_warmup_trains_with_one_note(tmp_path, capfd):
     out = tmp_path / "out"
     argv = ["train.max_steps=2", "schedule.name=warmup_cosine", "schedule.warmup_steps=5", f"train.output_dir={out}"]
-    result = run([sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv])
+    result = run(capfd, [f"recipe={DEBUG}", *argv])
     assert result.returncode == 0, result.stderr[-3000:]
     notes = [line for line in (result.stdout + result.stderr).splitlines() if "schedule.warmup_steps" in line]
     assert notes == [
@@ -357,31 +361,35 @@ CLI_BAD = [
 ]
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize("argv,message", CLI_BAD, ids=[m[:32] for _, m in CLI_BAD])
-def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_path):
+def test_bad_settings_through_the_cli_exit_2_with_one_line(argv, message, tmp_path, capfd):
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", f"recipe={DEBUG}", *argv, f"train.output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = call(capfd, [f"recipe={DEBUG}", *argv, f"train.output_dir={out}"])
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-3000:]
     assert not out.exists() or not any(out.iterdir())  # nothing written (train.py may probe the folder first)
 
 
-@pytest.mark.subprocess
-def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
+def plot_schedule(capfd, monkeypatch, argv: list[str]) -> tuple[int, str, str]:
+    """scripts/plot_schedule.py's main in this process, from the repository root: (exit code, stdout, stderr)."""
+    spec = importlib.util.spec_from_file_location("plot_schedule", ROOT / "scripts" / "plot_schedule.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # the script sets it to its `ranks`; restored after the test
+    capfd.readouterr()
+    code = script.main(argv)
+    return code, *capfd.readouterr()
+
+
+def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path, capfd, monkeypatch):
     """An epoch-based run: 64 rows / (micro 4 × 2 ranks × accumulation 2) = 4 steps per epoch, 3 epochs."""
     png = tmp_path / "lr.png"
-    result = run(
+    code, stdout, stderr = plot_schedule(
+        capfd,
+        monkeypatch,
         [
-            sys.executable,
-            "scripts/plot_schedule.py",
             f"recipe={DEBUG}",
             "train.max_steps=-1",
             "train.epochs=3",
@@ -390,22 +398,17 @@ def test_plot_schedule_counts_steps_from_the_data_and_writes_a_png(tmp_path):
             "schedule.name=warmup_cosine",
             "schedule.warmup_steps=2",
             f"out={png}",
-        ]
+        ],
     )
-    assert "micro 4 × accumulation 2 × 2 ranks; lr 1e-3; 12 optimizer steps" in result.stdout
-    assert "lr: first 3.333e-4, peak 1e-3, last 2.447e-5" in result.stdout  # 1e-3·(0+1)/(2+1); 1e-3·(1+cos 0.9π)/2
+    assert code == 0, stdout[-3000:] + stderr[-6000:]
+    assert "micro 4 × accumulation 2 × 2 ranks; lr 1e-3; 12 optimizer steps" in stdout
+    assert "lr: first 3.333e-4, peak 1e-3, last 2.447e-5" in stdout  # 1e-3·(0+1)/(2+1); 1e-3·(1+cos 0.9π)/2
     from PIL import Image
 
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size[0] > 400
-    bad = subprocess.run(
-        [sys.executable, "scripts/plot_schedule.py", f"recipe={DEBUG}", "schedule.pct_start=2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "schedule.pct_start=2.0 must be in (0, 1)" in bad.stderr
+    code, _, stderr = plot_schedule(capfd, monkeypatch, [f"recipe={DEBUG}", "schedule.pct_start=2"])
+    assert code == 2 and "schedule.pct_start=2.0 must be in (0, 1)" in stderr
 
 
 @pytest.mark.parametrize("kwargs", [dict(name="onecycle", pct_start=0.3), dict(name="warmup_cosine", warmup_steps=3)])

@@ -1,6 +1,7 @@
 """TokenNormSeq2SeqTrainer against Seq2SeqTrainer itself (same generations, same metric inputs) and against the float64
 token mean (eval_loss at every eval batch size, on two ranks); a composed subclass says its eval loss is not exact."""
 
+import json
 import logging
 
 import numpy as np
@@ -19,7 +20,8 @@ from tests.dropin_models import (
     seq2seq_rows,
     tiny_t5,
 )
-from tests.launch import two_rank_eval
+from tests.launch import forked_ranks
+from tests.workers import eval_worker
 
 
 def tiny_bart(seed: int = 0):
@@ -49,36 +51,36 @@ def tiny_bart(seed: int = 0):
 MODELS = {"t5": tiny_t5, "bart": tiny_bart}
 
 
+@pytest.mark.parametrize("batch", [1, 3, 7])  # a test per eval batch size: the model is rebuilt from its seed
 @pytest.mark.parametrize("name", MODELS)
-def test_generations_equal_seq2seq_trainers_and_eval_loss_is_the_token_mean(name, tmp_path):
+def test_generations_equal_seq2seq_trainers_and_eval_loss_is_the_token_mean(name, batch, tmp_path):
     model, rows = MODELS[name](), seq2seq_rows(23, seed=9)
     _, reference = reference_gradient(model, rows, forward=decoder_logits_alone, shift=False)
     tokens = sum(len(r["labels"]) for r in rows)
-    for batch in (1, 3, 7):
-        theirs, ours = MetricInputs(), MetricInputs()
-        stock = Seq2SeqTrainer(
-            model=model,
-            args=generating_args(tmp_path, batch),
-            eval_dataset=rows,
-            data_collator=PadEachCollator(),
-            compute_metrics=theirs,
-        )
-        exact = TokenNormSeq2SeqTrainer(
-            model=model,
-            args=generating_args(tmp_path, batch),
-            eval_dataset=rows,
-            data_collator=PadEachCollator(),
-            compute_metrics=ours,
-        )
-        stock_metrics, metrics = stock.evaluate(), exact.evaluate()
-        np.testing.assert_array_equal(ours.seen[0][0], theirs.seen[0][0])  # the generated ids
-        np.testing.assert_array_equal(ours.seen[0][1], theirs.seen[0][1])  # the labels, padded alike
-        assert metrics["eval_generated_tokens"] == stock_metrics["eval_generated_tokens"]
-        assert abs(metrics["eval_loss"] - reference) / reference <= 1e-6, (batch, metrics["eval_loss"], reference)
-        assert metrics["eval_label_tokens"] == tokens
-        predicted = exact.predict(rows, max_new_tokens=3)  # gen_kwargs reach generate as in Seq2SeqTrainer
-        np.testing.assert_array_equal(predicted.predictions, stock.predict(rows, max_new_tokens=3).predictions)
-        assert abs(predicted.metrics["test_loss"] - reference) / reference <= 1e-6
+    theirs, ours = MetricInputs(), MetricInputs()
+    stock = Seq2SeqTrainer(
+        model=model,
+        args=generating_args(tmp_path, batch),
+        eval_dataset=rows,
+        data_collator=PadEachCollator(),
+        compute_metrics=theirs,
+    )
+    exact = TokenNormSeq2SeqTrainer(
+        model=model,
+        args=generating_args(tmp_path, batch),
+        eval_dataset=rows,
+        data_collator=PadEachCollator(),
+        compute_metrics=ours,
+    )
+    stock_metrics, metrics = stock.evaluate(), exact.evaluate()
+    np.testing.assert_array_equal(ours.seen[0][0], theirs.seen[0][0])  # the generated ids
+    np.testing.assert_array_equal(ours.seen[0][1], theirs.seen[0][1])  # the labels, padded alike
+    assert metrics["eval_generated_tokens"] == stock_metrics["eval_generated_tokens"]
+    assert abs(metrics["eval_loss"] - reference) / reference <= 1e-6, (batch, metrics["eval_loss"], reference)
+    assert metrics["eval_label_tokens"] == tokens
+    predicted = exact.predict(rows, max_new_tokens=3)  # gen_kwargs reach generate as in Seq2SeqTrainer
+    np.testing.assert_array_equal(predicted.predictions, stock.predict(rows, max_new_tokens=3).predictions)
+    assert abs(predicted.metrics["test_loss"] - reference) / reference <= 1e-6
 
 
 def test_one_generate_and_one_forward_per_eval_batch(tmp_path):
@@ -130,10 +132,11 @@ def test_a_composed_seq2seq_trainer_says_its_eval_loss_is_not_exact(tmp_path, ca
     assert "eval_label_tokens" not in metrics  # nothing passed off as exact
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_generating_eval_on_two_ranks_is_the_token_mean_of_the_whole_set(tmp_path):
-    metrics = two_rank_eval("seq2seq", tmp_path)
+    out = tmp_path / "eval.json"  # {eval batch size: [eval_loss, eval_label_tokens, generations equal to stock]}
+    forked_ranks(eval_worker.main, "seq2seq", str(out), str(tmp_path / "trainer"))
+    metrics = json.loads(out.read_text())
     rows = seq2seq_rows(23, seed=9)
     _, reference = reference_gradient(tiny_t5(), rows, forward=decoder_logits_alone, shift=False)
     for batch, (loss, tokens, same_generations) in metrics.items():

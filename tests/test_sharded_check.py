@@ -2,12 +2,14 @@
 one here) trains, resumes bitwise on the same curve, consolidates to a model from_pretrained loads, and keeps the best
 model; and each check fails on a run that broke what it checks."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,25 +25,68 @@ spec = importlib.util.spec_from_file_location("sharded_check", ROOT / "scripts" 
 sharded_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sharded_check)
 
-pytestmark = pytest.mark.subprocess
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 # lr 0.1 on the debug model: the eval loss goes down, up, down, up (10.51, 13.45, 10.40, 11.12 after steps 1-4), so the
 # best model is neither the first nor the last evaluation
 ARGS = ["--steps", "4", "--save-steps", "2", "--resume-step", "2", "eval.every_steps=1", "optim.lr=0.1"]
 
 
-def check(config: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/sharded_check.py", "--config", f"accelerate_configs/{config}.yaml"]
-    cmd += ["--json", str(out), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+def check(config: str, out: Path, *extra: str) -> tuple[int, str]:
+    """scripts/sharded_check.py's main in this process, from the repository root: (exit code, what it printed)."""
+    argv = ["--config", f"accelerate_configs/{config}.yaml", "--json", str(out), *extra]
+    printed, cwd = io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = sharded_check.main(argv)
+    finally:
+        os.chdir(cwd)
+    return code, printed.getvalue()
+
+
+def launched_here(config: Path, args: list[str], log: Path) -> tuple[int, float, str]:
+    """sharded_check.launch's twin: the training command in this process, as `accelerate launch` runs it with
+    single_gpu.yaml on the CPU (one plain process), its stdout and stderr (the file descriptors too) in `log`."""
+    from finetune.tools import train
+
+    assert sharded_check.engine_of(config) == "none"  # a sharding engine is only real under its launcher
+    start, saved_env = time.perf_counter(), {key: os.environ.get(key) for key in ("ACCELERATE_USE_CPU", "WANDB_MODE")}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = [os.dup(1), os.dup(2)]
+    with log.open("w") as out:
+        for fd in (1, 2):
+            os.dup2(out.fileno(), fd)
+        os.environ.update(ACCELERATE_USE_CPU="true", WANDB_MODE="disabled")  # what launch gives its runs on the CPU
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = train.main(list(args))
+        finally:
+            out.flush()
+            for fd, saved in zip((1, 2), saved_fds):
+                os.dup2(saved, fd)
+                os.close(saved)
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return code, time.perf_counter() - start, log.read_text()
+
+
+def checked_single_gpu(tmp: Path) -> tuple[dict, Path, str]:
+    """The check of single_gpu.yaml on the CPU, with ARGS: (its JSON report, its work folder, what it printed)."""
+    code, stdout = check("single_gpu", tmp / "out.json", "--work", str(tmp / "work"), *ARGS)
+    report = json.loads((tmp / "out.json").read_text())
+    assert code == 0, stdout[-3000:] + json.dumps(report)[-3000:]
+    return report, tmp / "work", stdout
 
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sharded")
-    result = check("single_gpu", tmp / "out.json", "--work", str(tmp / "work"), *ARGS)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads((tmp / "out.json").read_text()), tmp / "work", result.stdout
+    """The check with its runs A and B in this process (the launcher's own test is the slow one below)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sharded_check, "launch", launched_here)
+        return checked_single_gpu(tmp_path_factory.mktemp("sharded"))
 
 
 def logged(folder: Path) -> tuple[dict, dict]:
@@ -52,7 +97,16 @@ def logged(folder: Path) -> tuple[dict, dict]:
 
 
 def test_single_gpu_on_the_cpu_passes_every_check(checked):
-    report, work, stdout = checked
+    assert_every_check_passed(*checked)
+
+
+@pytest.mark.slow  # slow: the script as users run it, runs A and B two `accelerate launch` processes (30 s of CPU)
+@pytest.mark.subprocess
+def test_the_script_launches_its_runs_through_accelerate_launch(tmp_path):
+    assert_every_check_passed(*checked_single_gpu(tmp_path))
+
+
+def assert_every_check_passed(report: dict, work: Path, stdout: str) -> None:
     assert stdout.splitlines()[-1].startswith("PASS sharded_check single_gpu fp32")
     assert report["passed"] and report["failed"] == [] and report["precision"] == "fp32" and report["device"] == "cpu"
     assert report["eval_steps"] == 1 and report["steps"] == 4 and report["resume_step"] == 2
@@ -127,8 +181,8 @@ def test_consolidated_and_best_checks_fail_on_the_wrong_weights_or_step(checked,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU these configs run")
 @pytest.mark.parametrize("config", ["fsdp2", "zero2"])
 def test_sharded_configs_say_they_need_a_gpu(tmp_path, config):
-    result = check(config, tmp_path / "out.json", "--work", str(tmp_path / "work"))
-    assert result.returncode == 2 and "needs a GPU" in result.stdout
+    code, stdout = check(config, tmp_path / "out.json", "--work", str(tmp_path / "work"))
+    assert code == 2 and "needs a GPU" in stdout
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["passed"] is None and report["skipped"].startswith(("fsdp needs", "deepspeed needs"))
     assert not (tmp_path / "work").exists()  # nothing was launched

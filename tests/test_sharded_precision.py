@@ -13,7 +13,7 @@ import torch
 
 from finetune.testing.reference import relative_error
 from tests.debug_model import debug_model_keys
-from tests.launch import ACCELERATE, ROOT, torchrun
+from tests.launch import ACCELERATE, ROOT, forked_ranks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,11 +21,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ---- FSDP2 under bf16: the window's gradients accumulated and reduced in float32 ----
 
 
-@pytest.mark.subprocess
 @pytest.mark.distributed
 def test_fsdp2_bf16_accumulates_and_reduces_gradients_in_float32(tmp_path):
+    from tests.workers import fsdp2_precision_worker
+
     out = tmp_path / "precision.pt"
-    torchrun(["tests/workers/fsdp2_precision_worker.py", str(out)])
+    forked_ranks(fsdp2_precision_worker.main, str(out))
     r = torch.load(out, weights_only=False)
     assert r["default_reduce_dtype"] == r["param_dtype"] == "torch.bfloat16"  # accelerate's policy: the bug
     assert r["fp32_reduce_dtype"] == "torch.float32"
@@ -47,6 +48,7 @@ def test_full_state_dict_around_a_save_then_sharded_again():
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.state_dict_config is config
 
 
+# a process: `accelerate launch --config_file accelerate_configs/fsdp2.yaml` is what makes the run FSDP2
 @pytest.mark.subprocess
 @pytest.mark.gpu
 @needs_cuda  # accelerate's FSDP plugin (SHARDED_STATE_DICT checkpoints) needs a GPU; the switch itself is tested above

@@ -1,9 +1,6 @@
 """data.streaming: rows read one at a time are exactly the rows the in-memory path builds; errors stay clear."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -12,8 +9,7 @@ from finetune.data.streaming import SHUFFLE_BUFFER, stream_sft_dataset
 from finetune.data.text import load_sft_dataset
 from finetune.recipe import DataConfig, RecipeError, load_config
 from tests.data_files import chat, smollm2_folder, write_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import call
 
 
 @pytest.fixture(scope="module")
@@ -81,22 +77,11 @@ def test_streaming_needs_max_steps_and_a_length_free_batching():
     load_config([*base, "data.batching=packed"])
 
 
-@pytest.mark.subprocess
-def test_streaming_recipe_trains_end_to_end(tmp_path):
+@pytest.mark.e2e
+def test_streaming_recipe_trains_end_to_end(tmp_path, capfd):
     out = tmp_path / "s"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "finetune/train.py",
-            "recipe=recipes/debug.yaml",
-            "data.streaming=true",
-            "train.max_steps=2",
-            f"train.output_dir={out}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = call(
+        capfd, ["recipe=recipes/debug.yaml", "data.streaming=true", "train.max_steps=2", f"train.output_dir={out}"]
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "streamed" in result.stdout

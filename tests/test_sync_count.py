@@ -1,49 +1,44 @@
-"""DDP on 2 CPU ranks, launched with accelerate_configs/ddp.yaml: gradients are all-reduced exactly once per
-optimizer step under accumulation, and after every micro-batch with train.sync_each_batch; both give the same run.
+"""DDP on 2 CPU ranks, each with the environment `accelerate launch --config_file accelerate_configs/ddp.yaml` gives it:
+gradients are all-reduced exactly once per optimizer step under accumulation, and after every micro-batch with
+train.sync_each_batch; both give the same run.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import ON_PATH
+from tests.launch import forked_ranks
+from tests.workers import sync_count_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.subprocess, pytest.mark.distributed]  # two ranks under torchrun / accelerate launch
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+pytestmark = pytest.mark.distributed  # two gloo ranks, forked
 STEPS, ACCUMULATION = 2, 3
 # debug recipe, micro-batch 4 on 2 ranks: global 24 → 3 micro-batches per rank per optimizer step
 RECIPE = [
-    "recipe=recipes/debug.yaml",
+    f"recipe={ROOT / 'recipes' / 'debug.yaml'}",
     f"train.max_steps={STEPS}",
     "train.global_batch_size=24",
     "optim.name=sgd",
     "optim.lr=0.5",
 ]
+# what `accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2` adds to a rank's environment
+# (with ACCELERATE_USE_CPU=true: DDP on gloo); forked_ranks sets the torchrun part (RANK, WORLD_SIZE, MASTER_*)
+DDP_LAUNCH = {
+    "ACCELERATE_USE_CPU": "true",
+    "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_DYNAMO_BACKEND": "NO",
+    "ACCELERATE_DYNAMO_MODE": "default",
+    "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
+    "ACCELERATE_DYNAMO_USE_DYNAMIC": "False",
+    "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "counts.pt"
-    cmd = [
-        ACCELERATE,
-        "launch",
-        "--config_file",
-        "accelerate_configs/ddp.yaml",
-        "--num_processes",
-        "2",
-        "tests/workers/sync_count_worker.py",
-        str(out),
-        *RECIPE,
-        f"train.output_dir={out.parent / 'run'}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ON_PATH, "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    forked_ranks(sync_count_worker.main, str(out), *RECIPE, f"train.output_dir={out.parent / 'run'}", **DDP_LAUNCH)
     return torch.load(out, weights_only=False)
 
 

@@ -1,25 +1,25 @@
-"""End to end through `finetune/train.py`, in subprocesses, as users run it."""
+"""End to end through `finetune/train.py`'s main, as users run it: in this process, and on two forked CPU ranks."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import TWO_RANKS
+from finetune.tools import train
+from tests.launch import call, forked_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def run(cmd, env=None, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def trained(capfd, argv, **environ):
+    result = call(capfd, argv, **environ)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return result
+
+
+def train_rank(argv: list[str]) -> None:
+    """One rank of a two-rank run (forked_ranks), as `accelerate launch finetune/train.py argv…` runs it."""
+    assert train.main(argv) == 0
 
 
 def step_logs(output_dir):
@@ -27,10 +27,10 @@ def step_logs(output_dir):
     return [e for e in state["log_history"] if "loss" in e and "train_loss" not in e]
 
 
-@pytest.mark.subprocess
-def test_debug_recipe_end_to_end(tmp_path):
+@pytest.mark.e2e
+def test_debug_recipe_end_to_end(tmp_path, capfd):
     out = tmp_path / "debug"
-    result = run([sys.executable, "finetune/train.py", "recipe=recipes/debug.yaml", f"train.output_dir={out}"])
+    result = trained(capfd, ["recipe=recipes/debug.yaml", f"train.output_dir={out}"])
     logs = step_logs(out)
     assert [e["step"] for e in logs] == [1, 2, 3, 4]
     for entry in logs:
@@ -45,22 +45,14 @@ def test_debug_recipe_end_to_end(tmp_path):
     assert model.config.hidden_size == 64
 
 
-@pytest.mark.subprocess
+@pytest.mark.e2e
 @pytest.mark.distributed
-def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
+def test_two_ranks_match_one_process(tmp_path, capfd):
     """The same recipe on 1 and on 2 CPU ranks (real DDP on gloo): same per-step loss and final weights."""
     common = ["recipe=recipes/debug.yaml", "train.max_steps=3", "optim.name=sgd", "optim.lr=0.5"]
     one, two = tmp_path / "one", tmp_path / "two"
-    run([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
-    run(
-        [
-            *TWO_RANKS,
-            "finetune/train.py",
-            *common,
-            f"train.output_dir={two}",
-        ],
-        env={"ACCELERATE_USE_CPU": "true"},
-    )
+    trained(capfd, [*common, f"train.output_dir={one}"])
+    forked_ranks(train_rank, [*common, f"train.output_dir={two}"], ACCELERATE_USE_CPU="true")
     one_logs, two_logs = step_logs(one), step_logs(two)
     assert len(one_logs) == len(two_logs) == 3
     for a, b in zip(one_logs, two_logs):
@@ -71,14 +63,14 @@ def test_two_ranks_through_accelerate_launch_match_one_process(tmp_path):
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.subprocess
-def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(tmp_path):
+@pytest.mark.e2e
+@pytest.mark.slow  # slow: loads and trains SmolLM2-135M, the real model
+def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(tmp_path, capfd):
     """SmolLM2-135M-Instruct from the GGUF, two short steps, W&B offline; then reload and chat."""
     out = tmp_path / "quick"
-    result = run(
+    result = trained(
+        capfd,
         [
-            sys.executable,
-            "finetune/train.py",
             "recipe=recipes/quickstart.yaml",
             f"train.output_dir={out}",
             "train.max_steps=2",
@@ -88,7 +80,7 @@ def test_quickstart_on_the_real_model_saves_a_model_that_reloads_and_generates(t
             "data.max_length=64",
             "data.limit=32",
         ],
-        env={"WANDB_MODE": "offline"},
+        WANDB_MODE="offline",
     )
     assert len(step_logs(out)) == 2
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]

@@ -1,8 +1,9 @@
 """--help of every command (generated from the schema) and finetune-train --dry-run (the resolved recipe and its plan):
-the generator in this process, one subprocess per entry point."""
+in this process, each entry point's page included; one subprocess for the entry script as users start it."""
 
 import dataclasses
 import re
+import runpy
 import subprocess
 import sys
 from dataclasses import fields
@@ -18,11 +19,23 @@ from finetune.tools import dry_run, plan, train, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"train": train.COMMAND, "plan": plan.COMMAND, "verify": verify.COMMAND}
+SCRIPT = str(ROOT / "finetune" / "train.py")
+
+
+def run_train_script() -> None:
+    runpy.run_path(SCRIPT, run_name="__main__")
+
+
+def run_console_main() -> None:  # as the finetune-train console script calls it: main() reads sys.argv
+    sys.exit(train.main())
+
+
+# each entry point, run in this process with sys.argv as its process would see it
 ENTRIES = {
-    "train.py": [str(ROOT / "finetune" / "train.py")],
-    "finetune.tools.train": ["-c", "import sys; from finetune.tools.train import main; sys.exit(main())"],
-    "plan": ["-m", "finetune.plan"],
-    "verify": ["-m", "finetune.verify"],
+    "train.py": run_train_script,
+    "finetune.tools.train": run_console_main,
+    "plan": lambda: runpy.run_module("finetune.plan", run_name="__main__"),
+    "verify": lambda: runpy.run_module("finetune.verify", run_name="__main__"),
 }
 
 
@@ -127,28 +140,43 @@ def test_dry_run_counts_epochs_as_build_does(capsys):
     assert plan_lines[1].startswith(f"warmup {-(-steps // 5)} optimizer step")
 
 
-@pytest.mark.subprocess
+def run_entry(capfd, monkeypatch, cwd: Path, entry, argv: list[str]) -> subprocess.CompletedProcess:
+    """An entry point in this process, from `cwd`, as `python ENTRY argv…` runs it: its exit code and output."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["entry", *argv])
+    capfd.readouterr()
+    try:
+        entry()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
 @pytest.mark.parametrize("entry", ENTRIES.values(), ids=ENTRIES.keys())
-def test_help_on_each_entry_point(entry, tmp_path):
+def test_help_on_each_entry_point(entry, tmp_path, capfd, monkeypatch):
+    result = run_entry(capfd, monkeypatch, tmp_path, entry, ["--help"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: finetune-") and "train.global_batch_size: int" in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.subprocess  # the entry script started as users start it, from another folder: its imports at start-up
+def test_help_of_the_entry_script_in_its_own_process(tmp_path):
     result = subprocess.run(
-        [sys.executable, *entry, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, SCRIPT, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("usage: finetune-") and "train.global_batch_size: int" in result.stdout
     assert result.stderr == ""
 
 
-@pytest.mark.subprocess
-def test_dry_run_and_an_unknown_flag_end_to_end(tmp_path):
-    script = str(ROOT / "finetune" / "train.py")
-    result = subprocess.run(
-        [sys.executable, script, "recipe=debug", "--dry-run"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+def test_dry_run_and_an_unknown_flag_end_to_end(tmp_path, capfd, monkeypatch):
+    result = run_entry(capfd, monkeypatch, tmp_path, run_train_script, ["recipe=debug", "--dry-run"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "# plan (--dry-run" in result.stdout and not (tmp_path / "outputs").exists()
-    result = subprocess.run(
-        [sys.executable, script, "recipe=debug", "--dry-rum"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    result = run_entry(capfd, monkeypatch, tmp_path, run_train_script, ["recipe=debug", "--dry-rum"])
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: argument '--dry-rum' is not key=value; write e.g. optim.lr=1e-5 or recipe=recipes/debug.yaml"

@@ -1,20 +1,15 @@
 """`finetune.verify` on the debug recipe: passes on the real trainer, fails on a broken normalization, same recipe
-errors as training, and under two CPU ranks through `accelerate launch`."""
+errors as training, and on two CPU ranks (the window gathered from both, as on one process)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from finetune.recipe import RecipeError, load_config
 from finetune.tools import verify
 from finetune.tools.reference_check import group_of
-from tests.launch import TWO_RANKS
+from tests.launch import call, forked_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 DEBUG = "recipe=recipes/debug.yaml"
 
 
@@ -31,11 +26,6 @@ def weights_in(output: str) -> list[list[float]]:
     """Per step, the micro-batch weights verify fitted (1 when every target token counts once)."""
     lines = re.findall(r"^  micro-batch weights \(.*?\): ([\d. ]+?)  \(", output, flags=re.M)
     return [[float(w) for w in line.split()] for line in lines]
-
-
-def run(cmd, env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.e2e
@@ -96,11 +86,23 @@ TINY = [  # recipes/debug.yaml's model (scripts/record_golden.py's TINY): SmolLM
 
 
 @pytest.mark.e2e
-def test_passes_on_the_qlora_recipe_over_its_dequantized_base(capsys):
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        [],
+        ["model.quantization.bnb_4bit_use_double_quant=false"],
+        ["model.quantization.bnb_4bit_quant_type=fp4"],
+    ],
+    ids=["nf4, double quantization (as shipped)", "nf4", "fp4"],
+)
+def test_passes_on_the_qlora_recipe_over_its_dequantized_base(quantization, capsys):
     """recipes/qlora.yaml at test size (4-bit NF4 base, LoRA on every linear layer, paged 8-bit AdamW, gradient
-    checkpointing, packed rows): the reference runs in float64 over bitsandbytes' own dequantization of the 4-bit
-    weights, and the applied gradient is within the floor of the brute force in the run's own arithmetic."""
-    code = verify.main(["recipe=recipes/qlora.yaml", *TINY, "data.limit=32", "train.micro_batch_size=4"])
+    checkpointing, packed rows), and with each other 4-bit layout: the reference runs in float64 over bitsandbytes'
+    own dequantization of the 4-bit weights, and the applied gradient is within the floor of the brute force in the
+    run's own arithmetic. verify's own no-gradient passes would repack the weights on an AVX-512 BF16 CPU (a layout
+    with no autograd) if the loading did not keep them as training reads them."""
+    argv = ["recipe=recipes/qlora.yaml", *TINY, "data.limit=32", "train.micro_batch_size=4", *quantization]
+    code = verify.main(argv)
     out = capsys.readouterr().out
     assert code == 0, out
     assert max(errors_in(out)) <= 2 * max(floors_in(out)) and max(errors_in(out)) <= 1e-5, out
@@ -136,15 +138,14 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     assert len(weights) == 2 and min(weights) < 0.95 and max(weights) > 1.05
 
 
-@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "args",
     [["recipe=recipes/missing.yaml"], [DEBUG, "optim.lrr=1e-4"], [DEBUG, "train.global_batch_size=6"]],
     ids=["missing-recipe", "typo", "indivisible-batch"],
 )
-def test_recipe_errors_are_the_same_as_training(args):
-    trained = run([sys.executable, "finetune/train.py", *args])
-    verified = run([sys.executable, "-m", "finetune.verify", *args])
+def test_recipe_errors_are_the_same_as_training(args, capfd):
+    trained = call(capfd, args)
+    verified = call(capfd, args, tool="finetune.verify")
     assert trained.returncode == verified.returncode == 2
     assert verified.stderr.startswith("error: ") and verified.stderr == trained.stderr
 
@@ -178,21 +179,19 @@ def test_verify_arguments_and_tolerances():
     assert group_of("lm_head.weight") == "lm_head"
 
 
-@pytest.mark.subprocess
+def verify_passes(argv: list[str]) -> None:
+    """One rank of a two-rank `finetune.verify`: it must pass (rank 0 prints the report)."""
+    assert verify.main(argv) == 0
+
+
+@pytest.mark.e2e
 @pytest.mark.distributed
-def test_two_ranks_through_accelerate_launch():
-    result = run(
-        [
-            *TWO_RANKS,
-            "-m",
-            "finetune.verify",
-            DEBUG,
-        ],
-        env={"ACCELERATE_USE_CPU": "true"},
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_two_ranks_check_the_window_gathered_from_both(capfd):
+    capfd.readouterr()
+    forked_ranks(verify_passes, [DEBUG], ACCELERATE_USE_CPU="true")
+    out = capfd.readouterr().out
     # both ranks' rows were gathered: the whole window of 8 sequences, 284 targets, as on one process
-    assert "8 sequences, 284 target tokens from 2 ranks" in result.stdout
-    assert max(errors_in(result.stdout)) <= 1e-5
-    (weights,) = weights_in(result.stdout)  # one micro-batch of 4 per rank
+    assert "8 sequences, 284 target tokens from 2 ranks" in out, out[-3000:]
+    assert max(errors_in(out)) <= 1e-5
+    (weights,) = weights_in(out)  # one micro-batch of 4 per rank
     assert len(weights) == 2 and all(w == pytest.approx(1, abs=1e-6) for w in weights)

@@ -3,10 +3,7 @@ force), the frozen tower, LoRA on the language model only, and recipes/vlm.yaml 
 
 import copy
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +23,9 @@ from finetune.recipe import DataConfig, ModelConfig, OptimConfig, RecipeError, l
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import VOCAB, SnapshotCallback, sgd_args, tiny_llama, tiny_qwen_vl
 from tests.data_files import write_jsonl
-from tests.launch import ONE_RANK, TWO_RANKS
+from tests.launch import call, forked_ranks
 from tests.vlm_models import prepared, tiny_llava
 
-ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|im_end|>"
 TOKENS_PER_IMAGE = 4  # 32 px images, 16 px patches
 
@@ -502,11 +498,18 @@ def test_every_batching_mode_carries_each_rows_images(tiny_vlm_folder, batching,
     assert trainer.state.global_step == 1
 
 
-def run_script(args, env=None, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
-    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def train_command(capfd, args: list[str], **environ: str):
+    """The training command in this process (as `accelerate launch` on one CPU process would run it): it succeeds."""
+    result = call(capfd, args, WANDB_MODE="disabled", **environ)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return result
+
+
+def train_passes(argv: list[str]) -> None:
+    """One rank of a two-rank training command: it must succeed."""
+    from finetune.tools import train
+
+    assert train.main(argv) == 0
 
 
 def step_logs(output_dir: Path) -> list[dict]:
@@ -514,9 +517,9 @@ def step_logs(output_dir: Path) -> list[dict]:
     return [e for e in state["log_history"] if "loss" in e and "train_loss" not in e]
 
 
-@pytest.mark.subprocess
+@pytest.mark.e2e
 @pytest.mark.distributed
-def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(tiny_vlm_folder, tmp_path):
+def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(tiny_vlm_folder, tmp_path, capfd):
     """One image among four rows: at every step some rank has no image; with the tower training, DDP needs every
     rank to give it a gradient (the zero-weighted dummy image) or the run hangs."""
     data = image_rows(tmp_path)
@@ -534,17 +537,8 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
         "log.wandb_mode=disabled",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_script([sys.executable, "finetune/train.py", *common, f"train.output_dir={one}"])
-    run_script(
-        [
-            *TWO_RANKS,
-            "finetune/train.py",
-            *common,
-            f"train.output_dir={two}",
-        ],
-        env={"ACCELERATE_USE_CPU": "true"},
-        timeout=300,
-    )
+    train_command(capfd, [*common, f"train.output_dir={one}"])
+    forked_ranks(train_passes, [*common, f"train.output_dir={two}"], ACCELERATE_USE_CPU="true", WANDB_MODE="disabled")
     for a, b in zip(step_logs(one), step_logs(two), strict=True):
         assert b["window_label_tokens"] == a["window_label_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -558,14 +552,14 @@ def test_two_ranks_with_image_less_rows_and_a_training_tower_match_one_process(t
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.subprocess
-def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_path):
-    """recipes/vlm.yaml as users launch it (fewer, shorter steps); then AutoProcessor + AutoModelForImageTextToText."""
+@pytest.mark.slow  # slow: trains recipes/vlm.yaml over the real SmolLM2-135M
+@pytest.mark.e2e
+def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_path, capfd):
+    """recipes/vlm.yaml as users run it (fewer, shorter steps); then AutoProcessor + AutoModelForImageTextToText."""
     out = tmp_path / "vlm"
-    result = run_script(
+    result = train_command(
+        capfd,
         [
-            *ONE_RANK,
-            "finetune/train.py",
             "recipe=recipes/vlm.yaml",
             f"train.output_dir={out}",
             "train.max_steps=2",
@@ -575,7 +569,7 @@ def test_vlm_recipe_end_to_end_saves_a_model_that_answers_about_an_image(tmp_pat
             "schedule.warmup_steps=1",
             "log.wandb_mode=disabled",
         ],
-        env={"ACCELERATE_USE_CPU": "true"},
+        ACCELERATE_USE_CPU="true",
     )
     assert "shapes_captions (messages+images): 14 of 14 rows kept" in result.stdout  # 2 held out (eval.fraction)
     logs = step_logs(out)

@@ -124,14 +124,15 @@ def test_one_row_positions_without_the_models_own_would_be_wrong():
     assert float((packed - own).abs().max()) > 2e-4  # 4× what the logits check above allows, at these sizes
 
 
-@pytest.mark.subprocess
+@pytest.mark.distributed
 def test_packed_mrope_rows_on_two_ranks_match_the_float64_reference(tmp_path):
     """Two CPU ranks (gloo), each a packed row of 3 sequences: one optimizer step's update is the float64 token-mean
     gradient over all six sequences."""
-    from tests.launch import torchrun
+    from tests.launch import forked_ranks
+    from tests.workers import mrope_worker
 
     out = str(tmp_path / "two_ranks.pt")
-    torchrun(["tests/workers/mrope_worker.py", out])
+    forked_ranks(mrope_worker.main, out)
     snapshots = torch.load(out, weights_only=True)["snapshots"]
     processor = image_processor()
     grads, _ = reference_gradient(

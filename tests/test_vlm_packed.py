@@ -5,10 +5,7 @@ input of packing (several images in a row, an image past data.max_length, a VLM 
 import copy
 import dataclasses
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +22,8 @@ from finetune.recipe import Batching, DataConfig, RecipeError
 from finetune.testing.reference import reference_gradient, relative_error
 from finetune.testing.toy import SnapshotCallback, sgd_args
 from finetune.tools import verify
+from tests.launch import call
 from tests.vlm_models import Recording, prepared, tiny_llava
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -163,17 +159,10 @@ def test_verify_passes_on_packed_image_rows(tiny_vlm_folder, capsys):
     assert error <= 1e-5
 
 
-def one_error_line(args: list[str], tmp_path: Path) -> str:
+def one_error_line(capfd, args: list[str], tmp_path: Path) -> str:
     """Run the training command; its one `error:` line (exit 2, no traceback, nothing written)."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "finetune/train.py", *args, f"train.output_dir={out}", "log.wandb_mode=disabled"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = call(capfd, [*args, f"train.output_dir={out}", "log.wandb_mode=disabled"])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-4000:]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-4000:]
@@ -199,12 +188,11 @@ def tiny_gemma3():
     return Gemma3ForConditionalGeneration(config)
 
 
-@pytest.mark.subprocess
-def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
+def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path, capfd):
     gemma = tmp_path / "gemma3"
     tiny_gemma3().save_pretrained(gemma)
     line = one_error_line(
-        [f"model.name_or_path={gemma}", "data.source=shapes_captions", "data.batching=packed"], tmp_path
+        capfd, [f"model.name_or_path={gemma}", "data.source=shapes_captions", "data.batching=packed"], tmp_path
     )
     assert re.match(
         r"^error: model\.name_or_path=\S+gemma3: data\.batching=packed cannot pack its image rows exactly: part of "
@@ -216,7 +204,7 @@ def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path):
     one = {"images": ["0.png"], "messages": shapes_captions.row(0)["messages"]}
     rows.write_text(json.dumps(one) + "\n")
     base = [f"model.name_or_path={tiny_vlm_folder}", f"data.source={rows}"]
-    line = one_error_line([*base, "data.max_length=5"], tmp_path)
+    line = one_error_line(capfd, [*base, "data.max_length=5"], tmp_path)
     assert re.match(r"^error: \S+rows\.jsonl line 1: its image tokens end at token \d+, past data\.max_length=5", line)
 
 

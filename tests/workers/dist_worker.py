@@ -1,4 +1,5 @@
-"""Run under torchrun: one TokenNormTrainer step on 2 CPU ranks (gloo); rank 0 saves what the test compares."""
+"""main() on 2 CPU ranks (gloo), forked by tests.launch.forked_ranks (or run under torchrun): one TokenNormTrainer
+step; rank 0 saves what tests/test_distributed.py compares."""
 
 import sys
 

@@ -1,5 +1,6 @@
-"""Run under torchrun on 2 CPU ranks (gloo): evaluate() at several eval batch sizes; rank 0 writes {eval batch size:
-[eval_loss, eval_label_tokens(, generations equal to Seq2SeqTrainer's)]} as JSON.
+"""main() on 2 CPU ranks (gloo), forked by tests.launch.forked_ranks or run under torchrun: evaluate() at several
+eval batch sizes; rank 0 writes {eval batch size: [eval_loss, eval_label_tokens(, generations equal to
+Seq2SeqTrainer's)]} as JSON.
 
     eval_worker.py causal OUT TRAINER_DIR    TokenNormTrainer on a tiny Llama (tests/test_evaluation.py)
     eval_worker.py seq2seq OUT TRAINER_DIR   TokenNormSeq2SeqTrainer with predict_with_generate on a tiny T5

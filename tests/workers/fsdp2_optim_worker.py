@@ -1,5 +1,6 @@
-"""Run under torchrun on 2 CPU ranks (gloo): LAMB and LARS on FSDP2-sharded layers against the same model unsharded;
-rank 0 writes {optimizer: largest parameter difference} as JSON for tests/test_optim.py."""
+"""Run under torchrun on 2 CPU ranks (gloo), or forked by tests.launch.forked_ranks: LAMB and LARS on FSDP2-sharded
+layers against the same model unsharded; rank 0 writes {optimizer: largest parameter difference} as JSON for
+tests/test_optim.py."""
 
 import json
 import sys
@@ -30,17 +31,23 @@ def make():
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
 
 
-dist.init_process_group("gloo")
-errors = {}
-for name in ("lamb", "lars"):
-    plain, sharded = run(make(), name), make()
-    for layer in sharded:
-        fully_shard(layer)
-    fully_shard(sharded)
-    got = run(sharded, name)
-    errors[name] = max((got[n] - plain[n]).abs().max().item() for n in plain)
-if dist.get_rank() == 0:
-    open(sys.argv[1], "w").write(json.dumps(errors))
-dist.barrier()  # leave together: a rank whose peer has gone can abort in gloo's teardown
-# no destroy_process_group: freeing the group right after a gloo collective can deadlock (finetune.env.exit_process)
-exit_process(0)  # no object teardown: see finetune.env.exit_process
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    errors = {}
+    for name in ("lamb", "lars"):
+        plain, sharded = run(make(), name), make()
+        for layer in sharded:
+            fully_shard(layer)
+        fully_shard(sharded)
+        got = run(sharded, name)
+        errors[name] = max((got[n] - plain[n]).abs().max().item() for n in plain)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            f.write(json.dumps(errors))
+    dist.barrier()  # leave together: a rank whose peer has gone can abort in gloo's teardown
+    # no destroy_process_group: freeing the group right after a gloo collective can deadlock (finetune.env.exit_process)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    exit_process(0)  # no object teardown: see finetune.env.exit_process

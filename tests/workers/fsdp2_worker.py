@@ -1,4 +1,5 @@
-"""Run under `torchrun --standalone --nproc_per_node 2`: FSDP2 (fully_shard) on 2 CPU ranks (gloo), one window each.
+"""main() on 2 CPU ranks (gloo), forked by tests.launch.forked_ranks (or run under `torchrun --standalone
+--nproc_per_node 2`): FSDP2 (fully_shard), one window each.
 
 Two ways, each with gradients reduced once per window (no_sync) and after every micro-batch (sync_each_batch):
 - "torch": fully_shard by hand, the trainer's normalization written out (summed token loss / window tokens of all

@@ -1,5 +1,6 @@
-"""Run under torchrun: a research subclass (tests/test_research_subclasses.py) trained on 2 CPU ranks (gloo) with
-TokenNormTrainer or transformers.Trainer as its base; rank 0 saves the parameters after every step.
+"""main() forked by tests.launch.forked_ranks, or run under torchrun: a research subclass
+(tests/test_research_subclasses.py) trained on 2 CPU ranks (gloo) with TokenNormTrainer or transformers.Trainer as its
+base; rank 0 saves the parameters after every step.
 
     torchrun --nproc_per_node 2 tests/workers/subclass_worker.py OUT BASE CASE   (BASE: ours | trainer)
 

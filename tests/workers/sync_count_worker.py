@@ -1,5 +1,6 @@
-"""Run under `accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 2` on CPU: count DDP's
-gradient all-reduces per optimizer step, with and without train.sync_each_batch, through finetune.assemble.build.
+"""main() on 2 CPU ranks with the environment `accelerate launch --config_file accelerate_configs/ddp.yaml
+--num_processes 2` gives them (forked by tests.launch.forked_ranks, or under that launcher): count DDP's gradient
+all-reduces per optimizer step, with and without train.sync_each_batch, through finetune.assemble.build.
 
 A DDP communication hook (registered on the wrapped model when training begins) records which micro-batch's
 backward reduced gradients; a wrapper around torch.distributed.all_reduce records the other all-reduces (the
