@@ -48,6 +48,10 @@ MODES = {
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
+# what a run stopped by SIGTERM exits with: 143 (128 + SIGTERM, docs/runs.md), or 1, torchrun's own code after its
+# ranks saved and exited 143
+STOPPED = (143, 1)
+
 
 def command(mode: str, out: Path, steps: int, rows: int, ranks: int = 1) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -195,9 +199,8 @@ def run_segment(
     wait_gone(ranks)
     if segment.kill is None and proc.returncode != 0:
         sys.exit(f"a resumed run failed (exit {proc.returncode}); see {log}")
-    if (
-        segment.kill and kill == "sigterm" and "stopped by SIGTERM" in log.read_text() and proc.returncode not in (0, 1)
-    ):  # 1: torchrun's own code after its ranks saved and exited 0
+    stopped = segment.kill and kill == "sigterm" and "stopped by SIGTERM" in log.read_text()
+    if stopped and proc.returncode not in STOPPED:
         sys.exit(f"a run stopped by SIGTERM exited {proc.returncode}; see {log}")
     match = re.search(r"^resuming from (.+)$", log.read_text(), re.M)
     segment.resumed_from = match.group(1).strip() if match else None

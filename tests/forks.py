@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-from tests.launch import ENV, ROOT, logs_as_in_a_process
+from tests.launch import ENV, ROOT, STOPPED_BY, logs_as_in_a_process
 
 SCRIPT = "finetune/train.py"
 RUN_ENV = {key: ENV[key] for key in ("OMP_NUM_THREADS", "WANDB_MODE")}  # what tests.launch.ENV sets for a run
@@ -38,9 +38,14 @@ def resume_main(kill_at: str, args: list[str]) -> int:
     return finetune.tools.train.main(args)
 
 
+def exit_code(kill_at: str) -> int:
+    """What a run armed with `kill_at` that is not killed exits with: 143 after the stop (every rank), else 0."""
+    return STOPPED_BY[signal.SIGTERM] if kill_at.startswith("term:") else 0
+
+
 def resume_rank(kill_at: str, args: list[str]) -> None:
-    """resume_main on a rank of tests.launch.forked_ranks: it must exit 0."""
-    assert resume_main(kill_at, args) == 0
+    """resume_main on a rank of tests.launch.forked_ranks: it must exit as exit_code(kill_at) says."""
+    assert resume_main(kill_at, args) == exit_code(kill_at)
 
 
 def _child(target, args: tuple, environ: dict, pipe: int | None, merge: bool) -> None:

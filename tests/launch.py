@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,6 +42,8 @@ TWO_RANKS = [
 ]
 # `accelerate launch` on one process (as PID 1 of a container it drops SIGTERM): the script and its arguments follow
 ONE_RANK = [ACCELERATE, "launch", "--num_processes", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+# a run stopped by a signal saves the last step and exits 128 + the signal's number, as a shell reports it
+STOPPED_BY = {signal.SIGTERM: 143, signal.SIGINT: 130}
 LOGGED = ("step", "loss", "grad_norm", "learning_rate", "window_label_tokens", "epoch", "nonfinite_skipped")
 
 

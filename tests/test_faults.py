@@ -22,7 +22,18 @@ import pytest
 import torch
 
 from tests.forks import forked, forked_signalled, script
-from tests.launch import ENV, ON_PATH, ONE_RANK, ROOT, TWO_RANKS, assert_same_run, call, forked_ranks, process_logs
+from tests.launch import (
+    ENV,
+    ON_PATH,
+    ONE_RANK,
+    ROOT,
+    STOPPED_BY,
+    TWO_RANKS,
+    assert_same_run,
+    call,
+    forked_ranks,
+    process_logs,
+)
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
 TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
@@ -79,12 +90,12 @@ def test_a_streamed_run_stopped_twice_resumes_bitwise(tmp_path, capfd):
     out = tmp_path / "stopped"
     args = [*STREAM, "train.save_steps=2", f"train.output_dir={out}", "train.resume_from=auto"]
     code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 1/6")  # mid-pass, before the first checkpoint
-    assert code == 0 and "stopped by SIGTERM" in stdout, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGTERM] and "stopped by SIGTERM" in stdout, stdout[-3000:]
     first = checkpoint_names(out)
     # the stop lands at the next micro-batch and saves the last optimizer step: step 1 (or a later one on a slow CPU)
     assert first and first[-1] in ("checkpoint-1", "checkpoint-2", "checkpoint-3"), first
     code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 4/6")  # the second and third passes
-    assert code == 0 and f"resuming from {out / first[-1]}" in stdout, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGTERM] and f"resuming from {out / first[-1]}" in stdout, stdout[-3000:]
     assert "stopped by SIGTERM" in stdout, stdout[-3000:]
     finished = run(capfd, args)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -513,7 +524,7 @@ def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_s
     ]
     # sent once "step 2/4" is printed: the evaluation after step 2 (300 batches) starts now
     code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 2/4", merge=True)
-    assert code == 0, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGTERM], stdout[-3000:]
     assert "stopped by SIGTERM after optimizer step 2 of 4" in stdout, stdout[-3000:]  # not after step 3
     assert checkpoint_names(out) == ["checkpoint-2"]
     history = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
@@ -523,9 +534,11 @@ def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_s
 @pytest.mark.slow  # the launcher x signal matrix: SIGTERM to `accelerate launch`, its own process and a training one
 @pytest.mark.e2e
 @pytest.mark.subprocess
-def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("to_group", [False, True], ids=["the launcher", "its process group"])
+def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(to_group, tmp_path):
     """accelerate's one-process launcher exits at once on SIGTERM; the training process it started learns of it
-    (PR_SET_PDEATHSIG), finishes its step and saves instead of training on unseen."""
+    (PR_SET_PDEATHSIG, a signal of its own), finishes its step and saves instead of training on unseen. Sent to the
+    process group, the run gets SIGTERM itself, then its launcher's death: one stop, saved, not a second request."""
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -540,17 +553,24 @@ def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(tmp
         "train.max_steps=40",
         f"train.output_dir={out}",
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if "step 2/40" in line:
-            proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
+            if to_group:  # kill -TERM -PGID: the launcher and the training process at once
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
             break
     proc.wait(timeout=60)
     lines += proc.stdout.readlines()  # until the training process (which holds the pipe too) has ended
     stdout = "".join(lines)
-    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
+    # the group's signal reaches the run before its launcher dies; the launcher alone: the run hears of its death
+    why = "SIGTERM" if to_group else "the launcher's exit"
+    stopped = re.search(rf"stopped by {why} after optimizer step (\d+) of 40", stdout)
     assert stopped, stdout[-3000:]
     assert checkpoint_names(out) == [f"checkpoint-{stopped.group(1)}"] and int(stopped.group(1)) < 40
     assert not (out / "model.safetensors").exists()  # stopped, not trained to the end
@@ -691,8 +711,8 @@ def stopped_as_pid1(cmd: list[str], after_line: str, env: dict) -> tuple[int, st
 
 
 LAUNCHERS = {
-    "finetune-train": ([str(Path(sys.executable).with_name("finetune-train"))], 0),
-    "python finetune/train.py": ([sys.executable, "finetune/train.py"], 0),
+    "finetune-train": ([str(Path(sys.executable).with_name("finetune-train"))], STOPPED_BY[signal.SIGTERM]),
+    "python finetune/train.py": ([sys.executable, "finetune/train.py"], STOPPED_BY[signal.SIGTERM]),
     "accelerate launch, 2 processes": ([*TWO_RANKS, "finetune/train.py"], TORCHRUN_SIGTERM_EXIT),
     "torchrun": (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune/train.py"],
@@ -748,3 +768,62 @@ def test_catches_sigterm_reads_the_sigcgt_mask():
     assert catches_sigterm("SigCgt:\t0000000000004002\n")  # bit 14: signal 15
     assert catches_sigterm("SigCgt:\t0000000180004a02\n")
     assert not catches_sigterm("SigCgt:\t0000000180000a02\n")
+
+
+def test_one_stop_per_stop_the_launchers_exit_and_a_repeat_are_not_a_second_request(monkeypatch):
+    """A stop signal arms one stop (exit 128 + its number); the launcher's death (its own parent-death signal) and the
+    same stop delivered again (a process group's signal passed on by its launcher) do not stop at once; a stop signal
+    after SAME_STOP_S is a real second request: Ctrl-C again raises at once."""
+    from finetune.training import lifecycle
+
+    now = [100.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now[0])
+    killed = []
+    monkeypatch.setattr(lifecycle.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setattr(lifecycle.signal, "signal", lambda sig, handler: None)
+
+    stop = lifecycle.StopRequest()
+    stop._handle(signal.SIGTERM, None)
+    assert stop.requested and stop.signal_name == "SIGTERM" and stop.exit_code == 143
+    stop._launcher_gone(lifecycle.LAUNCHER_GONE, None)  # the launcher died of the same group signal
+    now[0] += lifecycle.SAME_STOP_S / 2
+    stop._handle(signal.SIGTERM, None)  # torchrun passes the group's SIGTERM on
+    stop._handle(signal.SIGINT, None)
+    assert killed == [] and stop.signal_name == "SIGTERM" and stop.exit_code == 143
+    now[0] += lifecycle.SAME_STOP_S
+    stop._handle(signal.SIGTERM, None)  # a second request: SIGTERM's default action, at once
+    assert killed == [signal.SIGTERM]
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)
+
+    gone = lifecycle.StopRequest()
+    gone._launcher_gone(lifecycle.LAUNCHER_GONE, None)  # the launcher alone was killed: stop and save
+    assert gone.requested and gone.signal_name == "the launcher's exit" and gone.exit_code == 143
+    interrupted = lifecycle.StopRequest()
+    interrupted._handle(signal.SIGINT, None)
+    assert interrupted.exit_code == 130
+    assert lifecycle.LAUNCHER_GONE not in (signal.SIGTERM, signal.SIGINT)
+
+
+def test_a_save_cut_short_is_removed_at_the_next_start_which_says_so(tmp_path, capsys):
+    """A second stop request (or a kill) in the middle of a checkpoint's save leaves it in the staging folder, never in
+    place of a whole checkpoint: the next start on the folder removes it and names it; whole checkpoints stay."""
+    from finetune.training import output_dir
+    from finetune.training.staging import STAGING
+
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)
+    (out / "checkpoint-4" / "model.safetensors").write_bytes(b"whole")
+    (out / STAGING / "checkpoint-6").mkdir(parents=True)
+    (out / STAGING / "checkpoint-6" / "optimizer.pt").write_bytes(b"half")
+    with output_dir.claimed(str(out)):
+        pass
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"note: {out}: a save was stopped before it was whole (checkpoint-6 in {STAGING}); removed it, the whole "
+        "checkpoints are as they were"
+    ]
+    assert not (out / STAGING).exists() and (out / "checkpoint-4" / "model.safetensors").read_bytes() == b"whole"
+    with output_dir.claimed(str(out)):  # nothing left: nothing said
+        pass
+    assert capsys.readouterr().out == ""

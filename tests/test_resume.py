@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from finetune.recipe import RecipeError, TrainConfig, load_config
 from finetune.training import checkpoints
-from tests.forks import forked, forked_signalled, resume_main, resume_rank
-from tests.launch import ENV, ROOT, assert_same_run, call, forked_ranks, step_logs
+from tests.forks import exit_code, forked, forked_signalled, resume_main, resume_rank
+from tests.launch import ENV, ROOT, STOPPED_BY, assert_same_run, call, forked_ranks, step_logs
 
 COMMON = [
     "recipe=recipes/debug.yaml",
@@ -278,7 +278,7 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
     argv = [*COMMON, f"train.output_dir={out}"]  # no train.save_steps: only the signal makes a checkpoint
     # `python finetune/train.py ARGV` in a process forked from this one, signalled as a fresh one would be
     code, stdout, _ = forked_signalled(argv, signal.SIGTERM, "step 1/4")
-    assert code == 0, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGTERM], stdout[-3000:]  # 143: "stopped, resume me", as a shell reports it
     stopped = re.search(r"stopped by SIGTERM after optimizer step (\d) of 4; checkpoint: (\S+)", stdout)
     assert stopped, stdout[-3000:]
     assert Path(stopped.group(2)) == out / f"checkpoint-{stopped.group(1)}" and Path(stopped.group(2)).is_dir()
@@ -288,7 +288,7 @@ def test_sigterm_and_sigint_finish_the_step_save_and_print_the_resume_command(re
 
     resume_args = shlex.split(command)[2:]  # after the interpreter and the script, as asserted above
     code, stdout, _ = forked_signalled(resume_args, signal.SIGINT, "resuming from")  # during start-up
-    assert code == 0 and "stopped by SIGINT" in stdout, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGINT] and "stopped by SIGINT" in stdout, stdout[-3000:]  # 130
     finished = call(capfd, resume_args)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert_same_run(out, reference("padded"))
@@ -395,9 +395,9 @@ def launched(capfd, ranks: int, kill_at: str, args: list[str]) -> subprocess.Com
     if ranks == 1:
         return forked(capfd, resume_main, kill_at, args, ACCELERATE_USE_CPU="true")
     capfd.readouterr()
-    forked_ranks(resume_rank, kill_at, args, ACCELERATE_USE_CPU="true")
+    forked_ranks(resume_rank, kill_at, args, ACCELERATE_USE_CPU="true")  # each rank asserts its exit code
     out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["resume_worker", kill_at, *args], 0, out, err)
+    return subprocess.CompletedProcess(["resume_worker", kill_at, *args], exit_code(kill_at), out, err)
 
 
 def mid_window_reference(capfd, ranks: int, tmp_path_factory) -> Path:
@@ -426,7 +426,7 @@ def test_sigterm_mid_window_applies_none_of_it_and_the_resume_equals_the_uninter
     out = tmp_path / "stopped"
     args = [*MID_WINDOW, *RANKS[ranks], f"train.output_dir={out}", "train.resume_from=auto"]
     stopped = launched(capfd, ranks, f"term:{step}", args)
-    assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert stopped.returncode == STOPPED_BY[signal.SIGTERM], stopped.stdout[-2000:] + stopped.stderr[-3000:]
     cut = re.search(rf"optimizer step {step} stopped after (\d) of its 4 micro-batches", stopped.stdout)
     assert cut and 1 <= int(cut.group(1)) <= 3, stopped.stdout[-3000:]  # mid-window, not at its end
     assert f"stopped by SIGTERM after optimizer step {step - 1} of 4" in stopped.stdout, stopped.stdout[-3000:]
@@ -461,7 +461,7 @@ def test_sigterm_in_a_window_of_128_micro_batches_saves_and_exits_within_20_s_an
     # a process forked from this one, sent SIGTERM 1 s after "step 1/2" (into the second window); its exit awaited
     code, stdout, sent = forked_signalled(stopped_args, signal.SIGTERM, "step 1/2", delay=1.0)
     took = time.monotonic() - sent if sent is not None else None
-    assert code == 0 and took is not None, stdout[-3000:]
+    assert code == STOPPED_BY[signal.SIGTERM] and took is not None, stdout[-3000:]
     cut = re.search(r"optimizer step 2 stopped after (\d+) of its 128 micro-batches", stdout)
     assert cut and 1 <= int(cut.group(1)) < 127, stdout[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]

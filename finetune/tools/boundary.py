@@ -8,7 +8,8 @@ ranks that survive it, each printing its own line) are one `error:` line and exi
 
 Exit codes: 0 done; 1 verify's check failed; 2 a recipe, data, model, checkpoint, launch or machine problem (one
 line, nothing written); 3 stopped on a non-finite value (train.on_nonfinite=stop); 70 an internal error (a bug: please
-report it with the traceback).
+report it with the traceback); 130 / 143 (128 + the signal) stopped by SIGINT / SIGTERM after saving the last
+optimizer step: resume with train.resume_from=auto.
 """
 
 from __future__ import annotations

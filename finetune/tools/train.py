@@ -73,7 +73,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
     console.plain_console()  # in a log file: no library progress bars (each redraw would be a line fragment)
     if warning := lifecycle.container_stop_warning(sys.argv[1:] if argv is None else argv):
         reporting.main_print(warning)  # the launcher is PID 1 and drops SIGTERM: a container's stop never arrives
-    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: stop at the next micro-batch, save the last step, exit 0
+    stop = lifecycle.StopRequest()  # SIGTERM/SIGINT: stop at the next micro-batch, save the last step, exit 128+N
     with output_dir.claimed(cfg.train.output_dir), stop.installed():  # one run per output_dir at a time
         lifecycle.check_writable(cfg.train.output_dir)  # now, not at the first save hours later
         if cfg.train.micro_batch_size == "auto":  # the largest that fits, global batch kept; recipe.yaml records it
@@ -98,7 +98,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
             lifecycle.leave_together(trainer)
-            return 0
+            return stop.exit_code  # 128 + the signal: "stopped, resume me" to a shell, a scheduler, a pod's policy
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole
         texts = trainer.files_of_run()  # recipe.yaml (this recipe, after what each resume changed), timings.jsonl

@@ -21,9 +21,8 @@ import torch
 from finetune.model.files import commit
 from finetune.recipe import RecipeError, TrainConfig, first_line
 from finetune.training import checkpoint_files
-from finetune.training.staging import removed_when_empty, save_staged
+from finetune.training.staging import STAGING, removed_when_empty, save_staged
 
-STAGING = ".staging"  # inside train.output_dir: checkpoints and the best model being written; never resumed from
 STATE_FILE = "finetune_state.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -122,22 +123,34 @@ def leave_together(trainer) -> None:
 # ---- SIGTERM / SIGINT: stop at the next micro-batch, save the last step, say how to resume ----
 
 
+# a launched rank's parent-death signal (PR_SET_PDEATHSIG): "the launcher is gone", never a second stop request
+LAUNCHER_GONE = signal.SIGUSR2
+# a stop signal this soon after the first is that stop delivered again, not a second request: a signal to the process
+# group reaches the run directly and again through its launcher (torchrun passes SIGTERM on; Ctrl-C reaches all)
+SAME_STOP_S = 2.0
+
+
 class StopRequest:
     """Set by SIGTERM or SIGINT; the trainer stops at the next micro-batch (the window's end under DeepSpeed), saves
-    the last optimizer step as a checkpoint and stops.
+    the last optimizer step as a checkpoint and stops; the process then exits 128 + the signal's number (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process the signal ended: "stopped, resume me".
 
-    A second signal stops at once, without saving: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM by its default
-    action (the process ends, exit status 143 from a shell).
+    A second request stops at once, without saving: SIGINT (Ctrl-C) as KeyboardInterrupt, SIGTERM by its default
+    action. A second request is a stop signal more than SAME_STOP_S after the first; the launcher's death
+    (LAUNCHER_GONE) is a first request or nothing.
     """
 
     def __init__(self):
         self.signal_name: str | None = None
+        self.signum: int = signal.SIGTERM  # whose code the process exits with; a stop another rank was asked for too
+        self._first_at: float | None = None
         self._previous: dict = {}
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         if launch_kind() != "plain":
+            self._previous[LAUNCHER_GONE] = signal.signal(LAUNCHER_GONE, self._launcher_gone)
             signal_when_the_launcher_dies()
 
     def uninstall(self) -> None:
@@ -146,20 +159,34 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.signal_name is not None:  # the second signal: at once, without saving
-            if signum == signal.SIGINT:
+        if self._first_at is not None:
+            if time.monotonic() - self._first_at < SAME_STOP_S:
+                return  # the same stop, delivered again
+            if signum == signal.SIGINT:  # the second request: at once, without saving
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signal_name = signal.Signals(signum).name
+        self._request(signum, signal.Signals(signum).name)
+
+    def _launcher_gone(self, signum, frame) -> None:
+        if self._first_at is None:
+            self._request(signal.SIGTERM, "the launcher's exit")
+
+    def _request(self, signum: int, name: str) -> None:
+        self._first_at, self.signum, self.signal_name = time.monotonic(), signum, name
         if is_main_process():
             print(
-                f"\n{self.signal_name}: stopping at the next micro-batch, then saving the last optimizer step "
-                "(the same signal again stops at once, without saving)",
+                f"\n{name}: stopping at the next micro-batch, then saving the last optimizer step "
+                f"(a second stop signal stops at once, without saving)",
                 file=sys.stderr,
                 flush=True,
             )
+
+    @property
+    def exit_code(self) -> int:
+        """What the process exits with after this stop: 128 + the signal's number."""
+        return 128 + int(self.signum)
 
     @property
     def requested(self) -> bool:
@@ -183,16 +210,17 @@ class StopRequest:
 
 
 def signal_when_the_launcher_dies() -> None:
-    """SIGTERM to this process when its launcher dies (Linux PR_SET_PDEATHSIG): `accelerate launch` with one process
-    exits at once on SIGTERM, and torchrun killed with -9 leaves its ranks behind; they save and stop instead of
-    training on unseen. Only under a launcher: a plain run outlives the shell that started it (nohup)."""
+    """LAUNCHER_GONE to this process when its launcher dies (Linux PR_SET_PDEATHSIG): `accelerate launch` with one
+    process exits at once on SIGTERM, and torchrun killed with -9 leaves its ranks behind; they save and stop instead
+    of training on unseen. A signal of its own, so that the launcher's death which a stop signal caused is not read
+    as a second stop. Only under a launcher: a plain run outlives the shell that started it (nohup)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(LAUNCHER_GONE), 0, 0, 0)
     if os.getppid() != parent:  # it died before the request: the kernel will not send it
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), LAUNCHER_GONE)
 
 
 # ---- a container's stop: SIGTERM to PID 1 of its PID namespace ----

@@ -29,6 +29,7 @@ from pathlib import Path
 from finetune.env import is_main_process
 from finetune.model.files import fsync
 from finetune.recipe import RecipeError
+from finetune.training.staging import STAGING
 
 LOCK = ".lock"
 FINAL_SET = ".final_set.json"  # in a final set: the names of its files and folders
@@ -139,8 +140,9 @@ def claimed(output_dir: str):
                 f"train.output_dir={output_dir} is a mount point; the final save swaps the folder with "
                 "a sibling, so choose a folder inside it"
             )
-        if line := recover(output_dir):
-            print(line, flush=True)
+        for line in (recover(output_dir), remove_interrupted_saves(output_dir)):
+            if line:
+                print(line, flush=True)
         yield
     finally:
         _held.pop(key, None)
@@ -198,6 +200,20 @@ def swap_in(output_dir: str, staged: Path) -> None:
         os.remove(out / CARRIED)
     shutil.rmtree(staged, ignore_errors=True)  # the previous final set
     fsync(out.parent)
+
+
+def remove_interrupted_saves(output_dir: str) -> str | None:
+    """What a checkpoint or best-model save that was stopped on the way (a second stop signal, a kill) left in the
+    staging folder is removed before anything else: a line naming it, or None when there was nothing."""
+    staging = Path(output_dir) / STAGING
+    left = sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []
+    if not left:
+        return None
+    shutil.rmtree(staging, ignore_errors=True)
+    return (
+        f"note: {output_dir}: a save was stopped before it was whole ({', '.join(left)} in {STAGING}); removed it, "
+        "the whole checkpoints are as they were"
+    )
 
 
 def recover(output_dir: str) -> str | None:

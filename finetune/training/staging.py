@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from finetune.training.write_faults import write_error, write_failure
 
+STAGING = ".staging"  # inside train.output_dir: checkpoints and the best model being written; never resumed from
+
 
 def save_staged(trainer, staged: str, what: str, write: Callable[[str], None], finish: Callable[[str], None]) -> None:
     """`write(staged)` on every rank, then `finish(staged)` on rank 0: its files and the move into place.
