@@ -1,7 +1,8 @@
 """The default tier's time budget, a pytest plugin (tests/conftest.py loads it): a test whose setup + call + teardown
 take longer than `--test-budget` seconds fails at its teardown with its name and time, unless it is in the slow
 tier (marked `slow`) or needs a GPU (marked `gpu`: the GPU machine's tier). A fixture shared by a module or the
-session is set up once, so its cost is charged once: to the first test that uses it. Where a new test belongs:
+session is set up once, so its cost is charged once: to the first test that uses it; a wait for another worker's
+turn at the cores (forked ranks, one set at a time) is not charged. Where a new test belongs:
 docs/contributing.md ("The two tiers")."""
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ import pytest
 BUDGET_S = 20.0  # a default-tier test on CI's 2-core machine, one thread, fixtures included
 EXEMPT = ("slow", "gpu")
 SPENT = pytest.StashKey[float]()
+uncharged = [0.0]  # seconds of the running test's current phase spent waiting for another worker (not_charged)
+
+
+def not_charged(seconds: float) -> None:
+    """Time the running test waited for another pytest-xdist worker's turn at what they share (the cores, for forked
+    ranks: tests.launch.forked_ranks): not the test's own cost."""
+    uncharged[0] += seconds
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,7 +43,8 @@ def is_budgeted(item: pytest.Item) -> bool:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    spent = item.stash.get(SPENT, 0.0) + call.duration
+    spent = item.stash.get(SPENT, 0.0) + call.duration - uncharged[0]
+    uncharged[0] = 0.0
     item.stash[SPENT] = spent
     budget = item.config.getoption("--test-budget")
     if report.when == "teardown" and budget and spent > budget and report.passed and is_budgeted(item):

@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,6 +160,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def turn_at_the_cores():
+    """One set of forked ranks at a time on this machine (pytest-xdist workers take turns): gloo ranks wait for each
+    other by polling, and two sets at once on two cores starve each other several times over. The wait is not charged
+    to the waiting test's time budget (tests/budget.py)."""
+    from filelock import FileLock
+
+    from tests.budget import not_charged
+
+    asked = time.monotonic()
+    with FileLock(os.path.join(tempfile.gettempdir(), "finetune-tests-forked-ranks.lock")):
+        not_charged(time.monotonic() - asked)
+        yield
+
+
 def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ: str) -> None:
     """`target(*args)` on `nproc` gloo ranks forked from this process, as accelerate's debug_launcher starts them:
     each rank inherits the imported torch and transformers (a fresh interpreter pays 10-15 s for them) and sees the
@@ -192,17 +209,18 @@ def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ:
         os._exit(code)
 
     ranks = [fork.Process(target=rank_main, args=(rank,), daemon=True) for rank in range(nproc)]
-    gc.freeze()  # a rank's collections (accelerate runs several) skip the test process's whole inherited heap
-    try:
+    with turn_at_the_cores():
+        gc.freeze()  # a rank's collections (accelerate runs several) skip the test process's whole inherited heap
+        try:
+            for process in ranks:
+                process.start()
+        finally:
+            gc.unfreeze()
         for process in ranks:
-            process.start()
-    finally:
-        gc.unfreeze()
-    for process in ranks:
-        process.join(timeout)
-    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
-    for process in ranks:
-        process.kill() if process.is_alive() else None
+            process.join(timeout)
+        hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+        for process in ranks:
+            process.kill() if process.is_alive() else None
     errors = [failures.get() for _ in range(sum(process.exitcode == 1 for process in ranks))]
     assert not hung and not errors, f"ranks still running after {timeout} s: {hung}\n" + "\n".join(errors)
     assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]

@@ -1,5 +1,6 @@
 """The default tier's time budget (tests/budget.py) fails a test over it with its name and time, charges a shared
-fixture once, and leaves the slow tier alone: shown on a throwaway test file run by pytest's own pytester."""
+fixture once, charges no wait for another worker's turn, and leaves the slow tier alone: shown on a throwaway test
+file run by pytest's own pytester."""
 
 import re
 
@@ -34,6 +35,13 @@ def test_second_to_use_the_shared_fixture(shared):
     pass
 
 
+def test_waiting_for_another_workers_turn():
+    from tests.budget import not_charged
+
+    time.sleep(1.2)
+    not_charged(1.0)  # as tests.launch.forked_ranks does for its wait at the lock
+
+
 @pytest.mark.slow
 def test_in_the_slow_tier():
     time.sleep(1.2)
@@ -44,7 +52,7 @@ def test_a_test_over_the_budget_fails_with_its_name_and_time(pytester):
     pytester.makepyfile(test_timed=TESTS)
     result = pytester.runpytest(*OPTIONS, "--test-budget=0.4")
     # each error is a teardown's report: the deliberately slow test's, and the shared fixture's first user's
-    result.assert_outcomes(passed=5, errors=2)
+    result.assert_outcomes(passed=6, errors=2)
     text = result.stdout.str()
     spent = re.search(r"test_timed\.py::test_deliberately_slow took ([\d.]+) s \(setup \+ call \+ teardown\)", text)
     assert spent and 1.2 <= float(spent.group(1)) < 5, text
@@ -52,9 +60,10 @@ def test_a_test_over_the_budget_fails_with_its_name_and_time(pytester):
     # the session fixture (0.5 s) is charged to its first user alone, and the slow tier has no budget
     assert "test_first_to_use_the_shared_fixture took" in text
     assert "test_second_to_use_the_shared_fixture took" not in text and "test_in_the_slow_tier took" not in text
+    assert "test_waiting_for_another_workers_turn took" not in text  # 1.2 s, 1.0 of them waiting: not charged
 
 
 def test_a_zero_budget_turns_the_check_off(pytester):
     pytester.makepyfile(test_timed=TESTS)
     result = pytester.runpytest(*OPTIONS, "--test-budget=0")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
