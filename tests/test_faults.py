@@ -827,3 +827,38 @@ def test_a_save_cut_short_is_removed_at_the_next_start_which_says_so(tmp_path, c
     with output_dir.claimed(str(out)):  # nothing left: nothing said
         pass
     assert capsys.readouterr().out == ""
+
+
+def pod_outcome(job: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+    """What Kubernetes does with a Job's pod whose container `train` ended with `exit_code`: its podFailurePolicy's
+    rules in order, the first that matches deciding (FailJob, Ignore: a new pod, not counted against backoffLimit;
+    Count), no match: Count; exit 0: the pod succeeded and the Job is Complete."""
+    if exit_code == 0:
+        return "Complete"
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes is not None and codes.get("containerName", "train") == "train":
+            matched = exit_code in codes["values"]
+            if matched == (codes["operator"] == "In"):
+                return rule["action"]
+        if any(c["type"] in conditions for c in rule.get("onPodConditions", ())):
+            return rule["action"]
+    return "Count"
+
+
+def test_the_kubernetes_example_retries_every_stop_and_never_completes_an_unfinished_run():
+    """docs/examples/k8s-job.yaml's podFailurePolicy over the exit codes the runs above end with: a saved stop with
+    finetune-train / python as PID 1 (143, 130 for Ctrl-C) is retried and not counted; torchrun's or a multi-process
+    accelerate launch's 1 after a stop is retried (counted, unless the pod was evicted); a bad recipe (2) and a
+    non-finite stop (3) fail the Job; only a finished run (0) completes it."""
+    import yaml
+
+    job = yaml.safe_load((ROOT / "docs" / "examples" / "k8s-job.yaml").read_text())
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+    for launcher, (_, stop_code) in LAUNCHERS.items():  # what each launcher as PID 1 exits with after a stop
+        assert pod_outcome(job, stop_code) in ("Ignore", "Count"), launcher
+        assert pod_outcome(job, stop_code, ("DisruptionTarget",)) == "Ignore", launcher
+    assert pod_outcome(job, STOPPED_BY[signal.SIGTERM]) == pod_outcome(job, STOPPED_BY[signal.SIGINT]) == "Ignore"
+    assert pod_outcome(job, 2) == pod_outcome(job, 3) == "FailJob"
+    assert pod_outcome(job, 70) == "Count"  # a bug: retried up to backoffLimit
+    assert pod_outcome(job, 0) == "Complete"
