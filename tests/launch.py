@@ -111,6 +111,20 @@ MAINS = {
 WANDB_VARIABLES = ("WANDB_DIR", "WANDB_MODE", "WANDB_PROJECT", "WANDB_SILENT")
 
 
+@contextlib.contextmanager
+def environ_kept(*keys: str):
+    """The environment variables `keys` as they were before the block, whatever the block set."""
+    saved = {key: os.environ.get(key) for key in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def call(capfd, args: list[str], tool: str = "finetune/train.py", **environ: str) -> subprocess.CompletedProcess:
     """`run`'s command called in this process, as `run` would start it: main(args) from the repository root with
     `environ` set, its exit code (a SystemExit's code too) and what reached this process's stdout and stderr (the
@@ -121,24 +135,20 @@ def call(capfd, args: list[str], tool: str = "finetune/train.py", **environ: str
 
     main = importlib.import_module(MAINS[tool]).main
     capfd.readouterr()  # what earlier steps of the test printed is not this command's
-    cwd, saved = os.getcwd(), {key: os.environ.get(key) for key in (*WANDB_VARIABLES, *environ)}
-    os.chdir(ROOT)
-    os.environ.pop("WANDB_DIR", None)  # an earlier run's folder
-    os.environ.update(environ)
-    try:
-        with process_logs():  # library warnings reach stderr as they do in a process of its own
-            code = main(list(args))
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    finally:
-        if "wandb" in sys.modules:
-            sys.modules["wandb"].teardown()
-        os.chdir(cwd)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    cwd = os.getcwd()
+    with environ_kept(*WANDB_VARIABLES, *environ):
+        os.chdir(ROOT)
+        os.environ.pop("WANDB_DIR", None)  # an earlier run's folder
+        os.environ.update(environ)
+        try:
+            with process_logs():  # library warnings reach stderr as they do in a process of its own
+                code = main(list(args))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        finally:
+            if "wandb" in sys.modules:
+                sys.modules["wandb"].teardown()
+            os.chdir(cwd)
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess([tool, *args], code, out, err)
 

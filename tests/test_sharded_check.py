@@ -19,6 +19,7 @@ from transformers import set_seed
 
 from finetune.model import loading
 from finetune.recipe import load_config
+from tests.launch import environ_kept
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("sharded_check", ROOT / "scripts" / "sharded_check.py")
@@ -49,11 +50,11 @@ def launched_here(config: Path, args: list[str], log: Path) -> tuple[int, float,
     from finetune.tools import train
 
     assert sharded_check.engine_of(config) == "none"  # a sharding engine is only real under its launcher
-    start, saved_env = time.perf_counter(), {key: os.environ.get(key) for key in ("ACCELERATE_USE_CPU", "WANDB_MODE")}
+    start = time.perf_counter()
     sys.stdout.flush()
     sys.stderr.flush()
     saved_fds = [os.dup(1), os.dup(2)]
-    with log.open("w") as out:
+    with log.open("w") as out, environ_kept("ACCELERATE_USE_CPU", "WANDB_MODE"):
         for fd in (1, 2):
             os.dup2(out.fileno(), fd)
         os.environ.update(ACCELERATE_USE_CPU="true", WANDB_MODE="disabled")  # what launch gives its runs on the CPU
@@ -65,11 +66,6 @@ def launched_here(config: Path, args: list[str], log: Path) -> tuple[int, float,
             for fd, saved in zip((1, 2), saved_fds):
                 os.dup2(saved, fd)
                 os.close(saved)
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return code, time.perf_counter() - start, log.read_text()
 
 
