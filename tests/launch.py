@@ -153,15 +153,6 @@ def call(capfd, args: list[str], tool: str = "finetune/train.py", **environ: str
     return subprocess.CompletedProcess([tool, *args], code, out, err)
 
 
-def torchrun(script_args: list[str], nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` on `nproc` CPU ranks; with `check`, the run must succeed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
-    env = {**ENV, "PYTHONPATH": ON_PATH}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert not check or result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result
-
-
 def free_port() -> int:
     import socket
 
@@ -234,19 +225,6 @@ def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ:
     errors = [failures.get() for _ in range(sum(process.exitcode == 1 for process in ranks))]
     assert not hung and not errors, f"ranks still running after {timeout} s: {hung}\n" + "\n".join(errors)
     assert all(process.exitcode == 0 for process in ranks), [process.exitcode for process in ranks]
-
-
-def signalled(cmd: list[str], sig: int, after_line: str) -> tuple[int, str]:
-    """Start cmd, send `sig` once a stdout line contains after_line; (exit code, stdout)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if after_line in line:
-            proc.send_signal(sig)
-            break
-    lines += proc.stdout.readlines()
-    return proc.wait(timeout=600), "".join(lines)
 
 
 def assert_one_error(result, message: str, out: Path | None = None, code: int = 2) -> None:

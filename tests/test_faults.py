@@ -32,6 +32,7 @@ from tests.launch import (
     assert_same_run,
     call,
     forked_ranks,
+    free_port,
     process_logs,
 )
 
@@ -230,12 +231,6 @@ def test_a_real_host_allocation_failure_is_out_of_host_memory():
     with pytest.raises(RuntimeError) as caught:
         torch.empty(2**50, dtype=torch.uint8)  # a petabyte: DefaultCPUAllocator refuses it
     assert machine_fault(caught.value).startswith("out of host memory (")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.e2e
