@@ -2,8 +2,8 @@
 take longer than `--test-budget` seconds fails at its teardown with its name and time, unless it is in the slow
 tier (marked `slow`) or needs a GPU (marked `gpu`: the GPU machine's tier). A fixture shared by a module or the
 session is set up once, so its cost is charged once: to the first test that uses it; a wait for another worker's
-turn at the cores (forked ranks, one set at a time) is not charged. Where a new test belongs:
-docs/contributing.md ("The two tiers")."""
+test to end (ranks run with the cores to themselves: tests.launch.turn_at_the_cores) is not charged. Where a new
+test belongs: docs/contributing.md ("The two tiers")."""
 
 from __future__ import annotations
 

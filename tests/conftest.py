@@ -28,3 +28,13 @@ def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
 
 # the default tier's time budget (--test-budget): its hooks, loaded here as a plugin of this folder's conftest
 from tests.budget import pytest_addoption, pytest_configure, pytest_runtest_makereport  # noqa: E402, F401
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every test runs holding its share of the machine's cores; one whose ranks need them all (forked ranks, a
+    two-rank launch) waits for the other workers' running tests and keeps their next ones waiting (tests.launch)."""
+    from tests.launch import share_of_the_cores
+
+    with share_of_the_cores():
+        return (yield)

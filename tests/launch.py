@@ -161,19 +161,50 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+CORES_LOCK = os.path.join(tempfile.gettempdir(), "finetune-tests-cores.lock")
+_cores_lock: list = []  # this process's open lock file, opened on first use
+_sharing = [False]  # whether this process holds the shared lock (a test is running: share_of_the_cores)
+
+
+def cores_lock():
+    if not _cores_lock:
+        _cores_lock.append(open(CORES_LOCK, "a"))  # noqa: SIM115 - held for the worker's life
+    return _cores_lock[0]
+
+
+@contextlib.contextmanager
+def share_of_the_cores():
+    """What every test holds while it runs (tests/conftest.py): a shared lock, so that a test which needs the cores to
+    itself (turn_at_the_cores) waits for the other pytest-xdist workers' running tests and they wait for it."""
+    import fcntl
+
+    fcntl.flock(cores_lock(), fcntl.LOCK_SH)
+    _sharing[0] = True
+    try:
+        yield
+    finally:
+        _sharing[0] = False
+        fcntl.flock(cores_lock(), fcntl.LOCK_UN)
+
+
 @contextlib.contextmanager
 def turn_at_the_cores():
-    """One set of forked ranks at a time on this machine (pytest-xdist workers take turns): gloo ranks wait for each
-    other by polling, and two sets at once on two cores starve each other several times over. The wait is not charged
-    to the waiting test's time budget (tests/budget.py)."""
-    from filelock import FileLock
+    """The machine's cores to this test alone while its ranks run: gloo ranks wait for each other by polling, and on
+    two cores a rank that another worker's test keeps off a core stalls its peer (a 9 s two-rank test took 25 s). The
+    lock shared by every running test is exchanged for the exclusive one and back (flock converts by releasing
+    first, so two workers converting at once cannot deadlock); the wait is not charged to the test's time budget
+    (tests/budget.py)."""
+    import fcntl
 
     from tests.budget import not_charged
 
     asked = time.monotonic()
-    with FileLock(os.path.join(tempfile.gettempdir(), "finetune-tests-forked-ranks.lock")):
-        not_charged(time.monotonic() - asked)
+    fcntl.flock(cores_lock(), fcntl.LOCK_EX)
+    not_charged(time.monotonic() - asked)
+    try:
         yield
+    finally:
+        fcntl.flock(cores_lock(), fcntl.LOCK_SH if _sharing[0] else fcntl.LOCK_UN)
 
 
 def forked_ranks(target, *args, nproc: int = 2, timeout: float = 300, **environ: str) -> None:

@@ -14,6 +14,7 @@ import pytest
 from finetune.env import world_size
 from finetune.recipe import RecipeError, load_config, resolve_plan
 from finetune.training.distributed import accelerator_config, check_launch
+from tests.launch import turn_at_the_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -241,7 +242,8 @@ def test_the_launched_error_is_one_line_and_exit_code_2(tmp_path):
         f"train.output_dir={tmp_path / 'run'}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    with turn_at_the_cores():
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [

@@ -18,7 +18,7 @@ import torch
 from finetune.recipe import Config, RecipeError, load_config
 from finetune.recipe.bounds import bounds_text
 from finetune.recipe.yaml_reader import MAX_NODES
-from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_one_error, call
+from tests.launch import ENV, ON_PATH, ROOT, TWO_RANKS, assert_one_error, call, turn_at_the_cores
 
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
 DEBUG_TEXT = Path(DEBUG).read_text()
@@ -378,14 +378,15 @@ def test_a_lora_key_in_the_recipe_file_needs_lora_enabled_there_too(tmp_path):
 @pytest.mark.distributed
 def test_the_main_process_prints_the_error_when_another_rank_meets_it_first():
     """The launcher stops every rank once one exits: the main process, 3 s later to the same error, still prints it."""
-    result = subprocess.run(
-        [*TWO_RANKS, "tests/workers/error_worker.py", "3"],
-        cwd=ROOT,
-        env={**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with turn_at_the_cores():
+        result = subprocess.run(
+            [*TWO_RANKS, "tests/workers/error_worker.py", "3"],
+            cwd=ROOT,
+            env={**ENV, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ON_PATH},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode != 0
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == ["error: the recipe is wrong"]
 

@@ -3,6 +3,9 @@ fixture once, charges no wait for another worker's turn, and leaves the slow tie
 file run by pytest's own pytester."""
 
 import re
+import subprocess
+import sys
+import time
 
 pytest_plugins = ["pytester"]
 
@@ -67,3 +70,46 @@ def test_a_zero_budget_turns_the_check_off(pytester):
     pytester.makepyfile(test_timed=TESTS)
     result = pytester.runpytest(*OPTIONS, "--test-budget=0")
     result.assert_outcomes(passed=6)
+
+
+HOLD_SHARE = """
+import fcntl, sys, time
+lock = open(sys.argv[1], "a")
+fcntl.flock(lock, fcntl.LOCK_SH)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+TRY_LOCK = """
+import fcntl, sys
+try:
+    fcntl.flock(open(sys.argv[1], "a"), getattr(fcntl, sys.argv[2]) | fcntl.LOCK_NB)
+    print("granted")
+except BlockingIOError:
+    print("refused")
+"""
+
+
+def another_worker_tries(mode: str) -> str:
+    from tests.launch import CORES_LOCK
+
+    return subprocess.run(
+        [sys.executable, "-c", TRY_LOCK, CORES_LOCK, mode], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_a_turn_at_the_cores_waits_for_the_other_workers_running_test_uncharged_and_then_keeps_them_out():
+    """Another worker's running test (a process holding its share of the lock for 1.5 s) is waited for, the wait is
+    not charged to this test's budget, and while the turn lasts no other test starts; after it, this test is back
+    to its share (tests/conftest.py holds one for every test) and others may run beside it."""
+    from tests import budget
+    from tests.launch import CORES_LOCK, turn_at_the_cores
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SHARE, CORES_LOCK, "1.5"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    uncharged, asked = budget.uncharged[0], time.monotonic()
+    with turn_at_the_cores():
+        waited = time.monotonic() - asked
+        assert holder.wait(timeout=5) == 0  # the turn began as the other test ended
+        assert another_worker_tries("LOCK_SH") == "refused"
+    assert 1.0 < waited < 10 and abs(budget.uncharged[0] - uncharged - waited) < 0.05
+    assert another_worker_tries("LOCK_SH") == "granted" and another_worker_tries("LOCK_EX") == "refused"

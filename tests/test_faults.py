@@ -34,6 +34,7 @@ from tests.launch import (
     forked_ranks,
     free_port,
     process_logs,
+    turn_at_the_cores,
 )
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
@@ -240,32 +241,33 @@ def test_a_rank_whose_peer_dies_names_it_in_one_line(tmp_path):
     """Two launchers of one rank each (as two machines): rank 1 is killed after step 2; rank 0 is not killed by its
     own launcher, so it meets the dead peer in a collective and says so."""
     port, out = free_port(), tmp_path / "out"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={r}",
-                "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                "tests/workers/fault_worker.py",
-                "die:1:2",
-                *BASE,
-                "train.max_steps=6",
-                f"train.output_dir={out}",
-            ],
-            cwd=ROOT,
-            env={**ENV, "PYTHONPATH": ON_PATH},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    (_, survivor), _ = (p.communicate(timeout=600) for p in procs)
+    with turn_at_the_cores():
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node_rank={r}",
+                    "--nproc_per_node=1",
+                    "--master_addr=127.0.0.1",
+                    f"--master_port={port}",
+                    "tests/workers/fault_worker.py",
+                    "die:1:2",
+                    *BASE,
+                    "train.max_steps=6",
+                    f"train.output_dir={out}",
+                ],
+                cwd=ROOT,
+                env={**ENV, "PYTHONPATH": ON_PATH},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
+        (_, survivor), _ = (p.communicate(timeout=600) for p in procs)
     errors = [line for line in survivor.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, survivor[-3000:]
     assert re.match(
@@ -384,7 +386,7 @@ def test_the_fingerprint_covers_every_row_and_not_the_chunking():
     from finetune.training.resume_checks import data_fingerprint
 
     rows = {
-        "input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(600)],
+        "input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(300)],
         "labels": [[-100] * 3 + list(range(6)) for _ in range(600)],
     }
     whole = datasets.Dataset.from_dict(rows)
@@ -506,7 +508,7 @@ def test_wandb_online_without_a_key_or_a_network_is_one_line_and_writes_nothing(
 @pytest.mark.e2e
 @pytest.mark.subprocess
 def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_step(tmp_path):
-    held = chat_rows(tmp_path / "eval.jsonl", [f"held-out answer {k} " * 6 for k in range(1200)])
+    held = chat_rows(tmp_path / "eval.jsonl", [f"held-out answer {k} " * 6 for k in range(300)])
     out = tmp_path / "out"
     args = [
         *BASE,
@@ -517,7 +519,7 @@ def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_s
         "eval.micro_batch_size=4",
         "eval.samples=1",
     ]
-    # sent once "step 2/4" is printed: the evaluation after step 2 (300 batches) starts now
+    # sent once "step 2/4" is printed: the evaluation after step 2 (75 batches) starts now
     code, stdout, _ = forked_signalled(args, signal.SIGTERM, "step 2/4", merge=True)
     assert code == STOPPED_BY[signal.SIGTERM], stdout[-3000:]
     assert "stopped by SIGTERM after optimizer step 2 of 4" in stdout, stdout[-3000:]  # not after step 3
