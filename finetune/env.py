@@ -113,6 +113,17 @@ def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
+# set by finetune-launch (finetune/tools/launcher.py) for the ranks under it: the file a stopped run writes its exit
+# code to, since torchrun and a multi-process `accelerate launch` exit 1 whatever their ranks return
+STOP_CODE_FILE = "FINETUNE_STOP_CODE_FILE"
+
+
+def report_stop_code(code: int, environ: Mapping[str, str] = os.environ) -> None:
+    """A run stopped by a signal tells finetune-launch its exit code (each machine's local rank 0 writes it)."""
+    if (path := environ.get(STOP_CODE_FILE)) and local_rank(environ) == 0:
+        Path(path).write_text(f"{code}\n")
+
+
 def exit_process(code: int) -> NoReturn:
     """Exit, skipping the interpreter's object teardown on a launched rank (WORLD_SIZE > 1).
 

@@ -254,7 +254,7 @@ def test_scripts_import_nothing_from_tests_and_edit_no_import_path():
 def test_console_scripts_name_functions_that_exist():
     section = (ROOT / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
     scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, flags=re.M))
-    assert set(scripts) == {"finetune-train", "finetune-plan", "finetune-verify"}
+    assert set(scripts) == {"finetune-train", "finetune-plan", "finetune-verify", "finetune-launch"}
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target

@@ -25,10 +25,8 @@ from tests.forks import forked, forked_signalled, script
 from tests.launch import (
     ENV,
     ON_PATH,
-    ONE_RANK,
     ROOT,
     STOPPED_BY,
-    TWO_RANKS,
     assert_same_run,
     call,
     forked_ranks,
@@ -38,7 +36,6 @@ from tests.launch import (
 )
 
 BASE = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
-TORCHRUN_SIGTERM_EXIT = 1  # torchrun re-raises the signal it forwarded as an error of its own
 STREAM = [*BASE, "data.streaming=true", "train.max_steps=6"]  # 2 optimizer steps per pass: 3 passes
 
 
@@ -528,98 +525,6 @@ def test_sigterm_during_an_evaluation_ends_it_at_the_next_batch_and_saves_that_s
     assert [e["step"] for e in history if "eval_loss" in e] == [0]  # the evaluation before step 1, not the cut one
 
 
-@pytest.mark.slow  # the launcher x signal matrix: SIGTERM to `accelerate launch`, its own process and a training one
-@pytest.mark.e2e
-@pytest.mark.subprocess
-@pytest.mark.parametrize("to_group", [False, True], ids=["the launcher", "its process group"])
-def test_sigterm_to_a_one_process_accelerate_launch_still_saves_a_checkpoint(to_group, tmp_path):
-    """accelerate's one-process launcher exits at once on SIGTERM; the training process it started learns of it
-    (PR_SET_PDEATHSIG, a signal of its own), finishes its step and saves instead of training on unseen. Sent to the
-    process group, the run gets SIGTERM itself, then its launcher's death: one stop, saved, not a second request."""
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes=1",
-        "--num_machines=1",
-        "--mixed_precision=no",
-        "--dynamo_backend=no",
-        "finetune/train.py",
-        *BASE,
-        "train.max_steps=40",
-        f"train.output_dir={out}",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 2/40" in line:
-            if to_group:  # kill -TERM -PGID: the launcher and the training process at once
-                os.killpg(proc.pid, signal.SIGTERM)
-            else:
-                proc.send_signal(signal.SIGTERM)  # the launcher only, not its process group
-            break
-    proc.wait(timeout=60)
-    lines += proc.stdout.readlines()  # until the training process (which holds the pipe too) has ended
-    stdout = "".join(lines)
-    # the group's signal reaches the run before its launcher dies; the launcher alone: the run hears of its death
-    why = "SIGTERM" if to_group else "the launcher's exit"
-    stopped = re.search(rf"stopped by {why} after optimizer step (\d+) of 40", stdout)
-    assert stopped, stdout[-3000:]
-    assert checkpoint_names(out) == [f"checkpoint-{stopped.group(1)}"] and int(stopped.group(1)) < 40
-    assert not (out / "model.safetensors").exists()  # stopped, not trained to the end
-
-
-@pytest.mark.slow  # the launcher x signal matrix: SIGTERM to torchrun and two ranks, the launcher's exit code
-@pytest.mark.e2e
-@pytest.mark.subprocess
-@pytest.mark.distributed
-@pytest.mark.parametrize("to_group", [False, True], ids=["torchrun", "its process group"])
-def test_sigterm_to_torchrun_with_two_ranks_saves_and_the_launcher_code_is_documented(to_group, tmp_path):
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "finetune/train.py",
-        *BASE,
-        "train.max_steps=40",
-        f"train.output_dir={out}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**ENV, "PYTHONPATH": ON_PATH},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 2/40" in line:
-            if to_group:
-                os.killpg(proc.pid, signal.SIGTERM)
-            else:
-                proc.send_signal(signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    code = proc.wait(timeout=120)
-    stdout = "".join(lines)
-    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
-    assert stopped, stdout[-3000:] + proc.stderr.read()[-3000:]
-    saved = out / f"checkpoint-{stopped.group(1)}"
-    assert checkpoint_names(out) == [saved.name]
-    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in saved.iterdir()}
-    assert code == TORCHRUN_SIGTERM_EXIT, code  # torchrun's own code after its ranks saved and exited 0 (README)
-
-
 # ---- 7. a resume reads as the same run: no tied-head warning, whole-run figures ----
 
 
@@ -661,101 +566,6 @@ def test_a_stop_before_the_first_step_names_no_checkpoint_that_does_not_exist(tm
     (tmp_path / "checkpoint-2").mkdir()
     trainer.state.global_step = 2
     assert f"after optimizer step 2 of 4; checkpoint: {tmp_path / 'checkpoint-2'}" in stopped_message(stop, trainer, [])
-
-
-# ---- 8. a container's stop: SIGTERM to PID 1 of a PID namespace, whatever the launcher ----
-
-UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]  # the command becomes PID 1 of a new PID namespace
-
-
-@pytest.fixture(scope="module")
-def pid_namespace():
-    """unshare needs root (or user namespaces); CI runs as root."""
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare here")
-    probe = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a PID namespace here ({probe.stderr.strip()[:120]}; needs root)")
-
-
-def namespace_init(unshare_pid: int) -> int:
-    """The host's PID of the namespace's PID 1: the child of `unshare --fork`."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == unshare_pid:
-                return int(entry.name)
-    raise AssertionError(f"no child of unshare {unshare_pid}")
-
-
-def stopped_as_pid1(cmd: list[str], after_line: str, env: dict) -> tuple[int, str]:
-    """`cmd` as PID 1 of a new PID namespace, sent SIGTERM from outside (as docker stop or the kubelet send it) once
-    a stdout line contains after_line; (exit code, stdout and stderr)."""
-    proc = subprocess.Popen(
-        [*UNSHARE, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if after_line in line:
-            os.kill(namespace_init(proc.pid), signal.SIGTERM)
-            break
-    lines += proc.stdout.readlines()
-    return proc.wait(timeout=120), "".join(lines)
-
-
-LAUNCHERS = {
-    "finetune-train": ([str(Path(sys.executable).with_name("finetune-train"))], STOPPED_BY[signal.SIGTERM]),
-    "python finetune/train.py": ([sys.executable, "finetune/train.py"], STOPPED_BY[signal.SIGTERM]),
-    "accelerate launch, 2 processes": ([*TWO_RANKS, "finetune/train.py"], TORCHRUN_SIGTERM_EXIT),
-    "torchrun": (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "finetune/train.py"],
-        TORCHRUN_SIGTERM_EXIT,
-    ),
-}
-
-
-@pytest.mark.slow  # the launcher x signal matrix: each launcher as PID 1 of a PID namespace, its ranks under it
-@pytest.mark.e2e
-@pytest.mark.subprocess
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_each_launcher_as_a_containers_pid_1_saves_on_its_stop(launcher, pid_namespace, tmp_path):
-    command, launcher_code = LAUNCHERS[launcher]
-    if not Path(command[0]).exists():
-        pytest.skip(f"{command[0]} is not installed")
-    out = tmp_path / "out"
-    env = {**ENV, "PYTHONPATH": ON_PATH, "ACCELERATE_USE_CPU": "true"}
-    code, stdout = stopped_as_pid1([*command, *BASE, "train.max_steps=40", f"train.output_dir={out}"], "step 2/40", env)
-    stopped = re.search(r"stopped by SIGTERM after optimizer step (\d+) of 40", stdout)
-    assert stopped, stdout[-4000:]
-    assert checkpoint_names(out) == [f"checkpoint-{stopped.group(1)}"]
-    assert "does not catch SIGTERM" not in stdout  # these launchers pass the stop on
-    assert code == launcher_code, stdout[-3000:]
-
-
-@pytest.mark.slow  # `accelerate launch` of one process as PID 1 of a PID namespace: the launcher is the behaviour
-@pytest.mark.e2e
-@pytest.mark.subprocess
-def test_a_one_process_accelerate_launch_as_pid_1_warns_once_with_the_command_to_run(pid_namespace, tmp_path):
-    """Its launcher installs no SIGTERM handler, so as PID 1 the kernel drops a container's stop; the run says so at
-    start-up and names the command that would save."""
-    args = [*BASE, "train.max_steps=1", f"train.output_dir={tmp_path / 'out'}"]
-    result = subprocess.run(
-        [*UNSHARE, *ONE_RANK, "finetune/train.py", *args],
-        cwd=ROOT,
-        env={**ENV, "PYTHONPATH": ON_PATH},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    warnings = [line for line in result.stdout.splitlines() if "does not catch SIGTERM" in line]
-    assert len(warnings) == 1, result.stdout[-3000:]
-    assert warnings[0].startswith("warning: this run's parent, PID 1 (") and "accelerate" in warnings[0]
-    assert f"`python finetune/train.py {' '.join(args)}`" in warnings[0]
 
 
 def test_catches_sigterm_reads_the_sigcgt_mask():
@@ -824,38 +634,3 @@ def test_a_save_cut_short_is_removed_at_the_next_start_which_says_so(tmp_path, c
     with output_dir.claimed(str(out)):  # nothing left: nothing said
         pass
     assert capsys.readouterr().out == ""
-
-
-def pod_outcome(job: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
-    """What Kubernetes does with a Job's pod whose container `train` ended with `exit_code`: its podFailurePolicy's
-    rules in order, the first that matches deciding (FailJob, Ignore: a new pod, not counted against backoffLimit;
-    Count), no match: Count; exit 0: the pod succeeded and the Job is Complete."""
-    if exit_code == 0:
-        return "Complete"
-    for rule in job["spec"]["podFailurePolicy"]["rules"]:
-        codes = rule.get("onExitCodes")
-        if codes is not None and codes.get("containerName", "train") == "train":
-            matched = exit_code in codes["values"]
-            if matched == (codes["operator"] == "In"):
-                return rule["action"]
-        if any(c["type"] in conditions for c in rule.get("onPodConditions", ())):
-            return rule["action"]
-    return "Count"
-
-
-def test_the_kubernetes_example_retries_every_stop_and_never_completes_an_unfinished_run():
-    """docs/examples/k8s-job.yaml's podFailurePolicy over the exit codes the runs above end with: a saved stop with
-    finetune-train / python as PID 1 (143, 130 for Ctrl-C) is retried and not counted; torchrun's or a multi-process
-    accelerate launch's 1 after a stop is retried (counted, unless the pod was evicted); a bad recipe (2) and a
-    non-finite stop (3) fail the Job; only a finished run (0) completes it."""
-    import yaml
-
-    job = yaml.safe_load((ROOT / "docs" / "examples" / "k8s-job.yaml").read_text())
-    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
-    for launcher, (_, stop_code) in LAUNCHERS.items():  # what each launcher as PID 1 exits with after a stop
-        assert pod_outcome(job, stop_code) in ("Ignore", "Count"), launcher
-        assert pod_outcome(job, stop_code, ("DisruptionTarget",)) == "Ignore", launcher
-    assert pod_outcome(job, STOPPED_BY[signal.SIGTERM]) == pod_outcome(job, STOPPED_BY[signal.SIGINT]) == "Ignore"
-    assert pod_outcome(job, 2) == pod_outcome(job, 3) == "FailJob"
-    assert pod_outcome(job, 70) == "Count"  # a bug: retried up to backoffLimit
-    assert pod_outcome(job, 0) == "Complete"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from finetune.env import cpu_threads, world_size
+from finetune.env import cpu_threads, report_stop_code, world_size
 from finetune.recipe import Config, RunPlan, load_config, resolve_plan, to_yaml
 from finetune.recipe.usage import Command, help_asked, print_page
 from finetune.tools.boundary import run_command
@@ -98,6 +98,7 @@ def train(cfg: Config, callbacks: tuple = (), argv: list[str] | None = None, pla
         if stop.requested and trainer.state.global_step < trainer.state.max_steps:
             reporting.main_print(lifecycle.stopped_message(stop, trainer, sys.argv[1:] if argv is None else argv))
             lifecycle.leave_together(trainer)
+            report_stop_code(stop.exit_code)  # finetune-launch passes it on where the launcher replaces it
             return stop.exit_code  # 128 + the signal: "stopped, resume me" to a shell, a scheduler, a pod's policy
 
         # save: trainer_state.json has one log_history entry per logged optimizer step; each file lands whole

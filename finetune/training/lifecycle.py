@@ -254,8 +254,8 @@ def container_stop_warning(argv: list[str], proc: str = "/proc") -> str | None:
     return (
         f"warning: this run's parent, PID 1 ({parent or 'unknown'}), does not catch SIGTERM: a container's stop "
         "will not reach this run, and the SIGKILL after the grace period loses what was trained since the last "
-        f"checkpoint. In a container run `{instead}` (or finetune-train) as its command; `accelerate launch` passes "
-        "a stop on only with several processes (docs/runs.md)"
+        f"checkpoint. In a container run `{instead}` (or finetune-train) as its command, or put finetune-launch "
+        "before the launcher; `accelerate launch` passes a stop on only with several processes (docs/runs.md)"
     )
 
 
