@@ -195,3 +195,28 @@ def test_two_ranks_check_the_window_gathered_from_both(capfd):
     assert max(errors_in(out)) <= 1e-5
     (weights,) = weights_in(out)  # one micro-batch of 4 per rank
     assert len(weights) == 2 and all(w == pytest.approx(1, abs=1e-6) for w in weights)
+
+
+SHIPPED = {  # each shipped recipe as a user runs `finetune-verify recipe=NAME`: its model, loading and batch
+    "debug": [],
+    "quickstart": [],
+    "qlora": [],
+    "qlora, nf4 without double quantization": ["model.quantization.bnb_4bit_use_double_quant=false"],
+    "qlora, fp4": ["model.quantization.bnb_4bit_quant_type=fp4"],
+    "vlm": [],
+    "vlm_qwen": [],
+    # as shipped, 1,024 rows of float64 reference per step; 64 keep its model, packing and micro-batch (4 of them)
+    "vlm_seed": ["train.global_batch_size=64"],
+}
+
+
+@pytest.mark.slow  # every shipped recipe at its own size: SmolLM2-135M, its 4-bit base and its VLMs
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_every_shipped_recipe_passes_at_its_own_size(name, capfd):
+    recipe = name.split(",")[0]
+    result = call(capfd, [f"recipe=recipes/{recipe}.yaml", *SHIPPED[name]], tool="finetune.verify")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    verdict = re.search(r"^verify: PASS: largest relative error (\S+) \(tolerance (\S+)\)", result.stdout, re.M)
+    assert verdict and float(verdict.group(1)) <= float(verdict.group(2)), result.stdout[-3000:]
+    assert "silently incorrect" not in result.stderr  # no 4-bit weight went through a kernel without autograd
