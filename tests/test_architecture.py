@@ -186,7 +186,11 @@ def test_every_sub_package_says_what_it_owns_and_what_it_may_import():
 
 # Modules over 400 lines, each with why it stays one module. Functions stay within 60 lines (below) and McCabe 10
 # (ruff's C90, pyproject.toml); the package and scripts/ alike.
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "finetune/core/trainer.py": "TokenNormTrainer, one class: each method overrides one Trainer hook and calls the "
+    "pure rules beside it (token_mean, step_verdict, heads, loss_choice, chunked_head); splitting it would split the "
+    "hooks of one step between files",
+}
 
 
 def sources() -> list[Path]:

@@ -177,6 +177,22 @@ def forward_takes(model: torch.nn.Module) -> ForwardTakes:
     )
 
 
+def balance_coefficient(model: torch.nn.Module) -> float | None:
+    """The weight a mixture of experts' own forward gives its router balancing loss when it adds it to `loss`
+    (transformers' `router_aux_loss_coef`, read where the forward reads it); None where the model sets none."""
+    model = unwrap_peft_model(model)
+    coefficient = getattr(model, "router_aux_loss_coef", None)
+    if coefficient is None:
+        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return None if coefficient is None else float(coefficient)
+
+
+def aux_loss_of(outputs: Any) -> torch.Tensor | None:
+    """The router balancing loss a mixture of experts returned beside its logits (`aux_loss`), or None."""
+    aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else getattr(outputs, "aux_loss", None)
+    return aux if isinstance(aux, torch.Tensor) else None
+
+
 def logits_of(outputs: Any) -> torch.Tensor | None:
     """The logits in whatever a model returned: a tensor, a ModelOutput/dict, or a tuple."""
     if isinstance(outputs, torch.Tensor):

@@ -107,6 +107,16 @@ def misaligned_logits_line(model_name: str, kind: str, logits_shape: tuple | Non
     )
 
 
+def aux_loss_line(model_name: str) -> str:
+    """A model that returns an auxiliary loss (`aux_loss`) without the weight its forward adds it with: it cannot be
+    placed in the window's objective, so Trainer's own loss (which keeps it) from this micro-batch on."""
+    return (
+        f"TokenNormTrainer: {model_name} returns an auxiliary loss (aux_loss) but no router_aux_loss_coef to weigh it "
+        "by; it is trained and evaluated by transformers.Trainer's own loss from this micro-batch on, unchanged (its "
+        "own forward's loss, the auxiliary loss included), not the exact token mean"
+    )
+
+
 def eval_loss_not_exact_line(prefix: str, trainer_name: str) -> str:
     """An evaluation whose loss came from somewhere compute_loss never saw (a subclass's prediction_step that calls
     the model itself, as Seq2SeqTrainer's generating step does): said, not passed off as exact."""

@@ -29,13 +29,15 @@ class StepVerdict:
 
     def __init__(self) -> None:
         self.window_label_tokens: int | None = None
+        self.window_micro_batches = 1
         self.foreign_losses = 0  # micro-batches of this window whose loss did not come from the window share
         self.micro_batch_loss_ours = False
         self.window_finite: bool | torch.Tensor = True  # a device tensor while the window runs: no host sync
         self.nonfinite = False  # this step's verdict: a non-finite loss or gradient, no update
 
-    def open_window(self, window_label_tokens: int | None) -> None:
+    def open_window(self, window_label_tokens: int | None, micro_batches: int = 1) -> None:
         self.window_label_tokens, self.foreign_losses = window_label_tokens, 0
+        self.window_micro_batches = micro_batches  # on this rank: what a per-micro-batch term is averaged over
 
     def begin_micro_batch(self) -> None:
         self.micro_batch_loss_ours = False

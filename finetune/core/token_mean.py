@@ -38,6 +38,15 @@ def window_loss(loss_sum: torch.Tensor, window_label_tokens: int | torch.Tensor,
     return loss_sum / divisor * data_parallel_size
 
 
+def balance_share(aux_loss: torch.Tensor, coefficient: float, window_micro_batches: int) -> torch.Tensor:
+    """One micro-batch's share of a mixture of experts' router balancing loss (the model's `aux_loss`, defined over
+    that micro-batch's tokens, weighted by its `router_aux_loss_coef`): ÷ the window's micro-batches on this rank, not
+    × the data-parallel size, so that with DDP's average over ranks the step's gradient is the coefficient × the mean
+    of the balancing loss over the window's micro-batches and ranks, the weight the user set. (`Trainer` adds the term
+    once per micro-batch: K× that weight, and R× more where it averages tokens across devices.)"""
+    return aux_loss * (coefficient / max(window_micro_batches, 1))
+
+
 def batch_mean(loss_sum: torch.Tensor, label_tokens: torch.Tensor) -> torch.Tensor:
     """One batch's own token mean: what an evaluation step reports, or a direct call without a window."""
     return loss_sum / label_tokens.clamp(min=1)

@@ -9,6 +9,10 @@ What it improves over `Trainer`, and nothing else (everything else is `Trainer`'
   the rule and why each factor is there are in finetune/core/token_mean.py, which these hooks call. Label smoothing
   (`label_smoothing_factor`) is applied inside the sum; a `compute_loss_func` gets the window count as
   `num_items_in_batch`.
+- **A mixture of experts' router balancing loss** (the `aux_loss` its forward returns where its config asks for it)
+  stays in the objective, weighted by its `router_aux_loss_coef` as the model weighs it, and averaged over the
+  window's micro-batches and ranks (`token_mean.balance_share`): the weight the user set, where `Trainer` multiplies
+  it by the accumulation steps. The eval loss is the language-model loss alone.
 - **Evaluation**: `evaluate()`/`predict()`'s `eval_loss` is the token mean of the whole eval set (every labelled
   position's loss summed over all batches and ranks ÷ their count, logged as `eval_label_tokens`), not a mean of
   per-batch means: it does not move with the eval batch size, the last short batch or the number of ranks.
@@ -41,6 +45,8 @@ from finetune.core import token_mean
 from finetune.core.causal_forward import foreign_forward, own_forward
 from finetune.core.chunked_head import ChunkedHead
 from finetune.core.heads import (
+    aux_loss_of,
+    balance_coefficient,
     forward_takes,
     logits_of,
     plain_head,
@@ -59,6 +65,7 @@ from finetune.core.loss import (
     targets_of,
 )
 from finetune.core.loss_choice import (
+    aux_loss_line,
     choose_loss,
     empty_window_line,
     eval_loss_not_exact_line,
@@ -211,7 +218,7 @@ class TokenNormTrainer(Trainer):
             reduced = self.accelerator.reduce(torch.tensor(counts, dtype=torch.int64, device=device), reduction="sum")
             counts = (reduced // self.get_tp_size()).tolist()
         self.meter.add(counts)
-        self.verdict.open_window(counts[0])
+        self.verdict.open_window(counts[0], len(batch_samples))
         return batch_samples, counts[0]
 
     # ---- loss: sum from the logits, divided by the window's count ----
@@ -231,6 +238,13 @@ class TokenNormTrainer(Trainer):
             loss = token_mean.batch_mean(loss_sum, label_tokens)
         else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/core/token_mean.py)
             loss = token_mean.window_loss(loss_sum, num_items_in_batch, self._data_parallel_size())
+            if (aux := aux_loss_of(outputs)) is not None:  # a mixture of experts' router balancing loss, kept
+                coefficient = balance_coefficient(self.accelerator.unwrap_model(model))
+                if coefficient is None:  # a loss the model adds that this trainer cannot weigh: Trainer's own
+                    self._fall_back(aux_loss_line(type(self.accelerator.unwrap_model(model)).__name__))
+                    self.loss_kind = None  # every hook now takes Trainer's own path
+                    return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                loss = loss + token_mean.balance_share(aux, coefficient, self.verdict.window_micro_batches)
             self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
 

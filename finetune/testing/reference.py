@@ -8,6 +8,10 @@ compare training with. It shares no code with what it checks: the loss is writte
 - `window_gradient`: the model as it is placed (verify puts it in float64 where it fits, else float32), optionally
   with each micro-batch's share of the gradient.
 - `reference_gradient`: a float64 copy of the model with dropout off (what the tests and scripts/exactness.py use).
+- `balance_gradients`: a mixture of experts' router balancing term, per micro-batch (it is defined over a
+  micro-batch's tokens, as the model computes it): the coefficient × the mean over the window's micro-batches.
+- `exact_experts`: a mixture of experts' experts one by one (transformers' eager experts) where its grouped matmul
+  has no float64 kernel.
 """
 
 from __future__ import annotations
@@ -117,3 +121,26 @@ def relative_error(applied: dict, reference: dict) -> float:
     num = sum(float(((applied[n].double() - reference[n]) ** 2).sum()) for n in reference)
     den = sum(float((reference[n] ** 2).sum()) for n in reference)
     return (num / den) ** 0.5
+
+
+def exact_experts(model) -> None:
+    """Run a mixture of experts' experts one by one (transformers' "eager" experts): its grouped matmul has no float64
+    kernel, and the loop computes the same sums."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")
+
+
+def balance_gradients(model, batches: list[dict], coefficient: float | None) -> list[dict] | None:
+    """Per micro-batch (`batches`: each as collated, labels left out), the gradient of the coefficient × its router
+    balancing loss (the model's `aux_loss` over it) ÷ the number of micro-batches (every rank's): the term a mixture of
+    experts adds to its loss, averaged over the window. None where the model returns no balancing loss."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    gradients = []
+    for inputs in batches:
+        aux = model(**inputs).get("aux_loss")
+        if aux is None or not coefficient:
+            return None
+        grads = torch.autograd.grad(aux * (coefficient / len(batches)), list(trainable.values()), allow_unused=True)
+        gradients.append({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(trainable.items(), grads)})
+    return gradients

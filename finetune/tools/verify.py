@@ -146,11 +146,12 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
     import torch
 
     from finetune.model.quantized import dequantize_base
-    from finetune.testing.reference import window_gradient
+    from finetune.testing.reference import exact_experts, window_gradient
 
     logged = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e}
     model, max_norm = reference_model(trainer.accelerator, trainer.model), trainer.args.max_grad_norm
     model = dequantize_base(model)  # a 4-bit base: the dequantized weights its forward multiplied by, as plain floats
+    exact_experts(model)  # a mixture of experts' grouped matmul has no float64 kernel
     trainer.release_training_state()
     gc.collect()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -160,28 +161,20 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
     model.train()
     print(f"verify: reference in {str(dtype).removeprefix('torch.')} on {device}, one sequence at a time", flush=True)
 
-    def logits_of(model, row: dict):
-        """One row alone as the model takes it (images included), no labels: the recipe's collator on one row pads
-        nothing and packs nothing; floating inputs in the model's dtype."""
-        batch = recorder.collate([[row]] if is_budgeted(cfg.data) else [row])
-        weights = next(model.parameters()).dtype
-        inputs = {
-            k: v.to(device, weights) if v.is_floating_point() else v.to(device)
-            for k, v in batch.items()
-            if k != "labels" and isinstance(v, torch.Tensor)
-        }
-        return model(**inputs)["logits"]
-
+    logits_of, inputs_of = readers(cfg, recorder, model, device)
     checks = []
     for capture_k in recorder.captures:
         with torch.no_grad():
             for name, value in capture_k["params"].items():
                 trainable[name].copy_(value)
         micro_batches = capture_k["rows"]
-        own = own_arithmetic_gradient(cfg, model, micro_batches, logits_of, device) if dtype == torch.float64 else None
+        own = None
+        if dtype == torch.float64:
+            own = own_arithmetic_gradient(cfg, model, micro_batches, (logits_of, inputs_of), device)
         model.to(dtype)  # the captured float32 values: exact in float64
         keep_parts = len(micro_batches) * n_trainable * 4 <= psutil.virtual_memory().available / 4
         reference, loss, targets, parts = window_gradient(model, micro_batches, logits_of, dtype, keep_parts=keep_parts)
+        reference, parts = with_balance(model, micro_batches, inputs_of, reference, parts)
         clip, norms = 1.0, None
         if capture_k["norm"] is not None:
             norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))
@@ -197,26 +190,69 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
     return checks
 
 
-def own_arithmetic_gradient(cfg: Config, model, micro_batches, logits_of, device) -> dict:
+def readers(cfg: Config, recorder: WindowRecorder, model, device):
+    """(logits of one row alone: the collator on one row pads nothing and packs nothing; a micro-batch's inputs as
+    the recipe's collator gives them to the model, images included): no labels, floating inputs in the model's
+    dtype."""
+    import torch
+
+    def inputs_of(rows: list[dict]) -> dict:
+        batch = recorder.collate([rows] if is_budgeted(cfg.data) else rows)
+        weights = next(model.parameters()).dtype
+        return {
+            k: v.to(device, weights) if v.is_floating_point() else v.to(device)
+            for k, v in batch.items()
+            if k != "labels" and isinstance(v, torch.Tensor)
+        }
+
+    def logits_of(model, row: dict):
+        return model(**inputs_of([row]))["logits"]
+
+    return logits_of, inputs_of
+
+
+def own_arithmetic_gradient(cfg: Config, model, micro_batches, reading, device) -> dict:
     """The brute force again in the run's own arithmetic: weights in float32 (or the recipe's model.dtype), logits
-    under the run's bf16/fp16 autocast, the loss in float32. Its distance from the float64 reference is the floor."""
+    under the run's bf16/fp16 autocast, the loss in float32. Its distance from the float64 reference is the floor.
+    `reading`: (logits of one row, a micro-batch's model inputs)."""
     import contextlib
 
     import torch
 
     from finetune.testing.reference import window_gradient
 
+    logits_of, inputs_of = reading
     weights = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     model.to(weights)
 
+    def autocast():
+        return torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+
     def own_logits(model, row):
-        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-        with autocast:
+        with autocast():
             return logits_of(model, row)
 
     grads = window_gradient(model, micro_batches, own_logits, torch.float32).grads
+    with autocast():
+        grads, _ = with_balance(model, micro_batches, inputs_of, grads, None)
     return {n: g.detach().to("cpu", torch.float64) for n, g in grads.items()}
+
+
+def with_balance(model, micro_batches, inputs_of, reference: dict, parts: list | None):
+    """The reference (and each micro-batch's share of it) with a mixture of experts' router balancing term added:
+    the coefficient × the mean over the window's micro-batches of each one's balancing loss, as training weighs it
+    (finetune/core/token_mean.py: balance_share). Unchanged for a model without one."""
+    from finetune.core.heads import balance_coefficient
+    from finetune.testing.reference import balance_gradients
+
+    balance = balance_gradients(model, [inputs_of(rows) for rows in micro_batches], balance_coefficient(model))
+    if balance is None:
+        return reference, parts
+    total = {n: g + sum(b[n].to(g.device, g.dtype) for b in balance) for n, g in reference.items()}
+    if parts:
+        parts = [{n: g + b[n].to(g.device, g.dtype) for n, g in part.items()} for part, b in zip(parts, balance)]
+    return total, parts
 
 
 def weight_deviation(check: StepCheck) -> float:

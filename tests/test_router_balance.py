@@ -1,0 +1,153 @@
+"""A mixture of experts' router balancing loss stays in the objective: on one micro-batch TokenNormTrainer's step is
+`transformers.Trainer`'s (which adds `router_aux_loss_coef` × `aux_loss` to the model's loss); under accumulation
+the applied gradient is the float64 brute force of the window's token-mean cross-entropy (one sequence at a time,
+unpadded) plus the coefficient × the mean over the window's micro-batches of each one's balancing loss (as the model
+defines it over that micro-batch's tokens)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer
+
+from finetune import TokenNormTrainer
+from finetune.testing.reference import reference_gradient, relative_error, silence_dropout
+from finetune.testing.toy import VOCAB, RecordingCollator, model_at, ragged_rows, sgd_args, train_recording
+from finetune.tools import verify
+from tests.data_files import smollm2_folder
+
+COEFFICIENT = 0.5  # large enough that a dropped or K-times balancing loss moves the router by far more than rounding
+
+
+def tiny_qwen3_moe(seed: int = 0, router_loss: bool = True) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=router_loss,
+        router_aux_loss_coef=COEFFICIENT,
+        pad_token_id=0,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def balance_gradient(model, micro_batches: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """float64 gradient of the coefficient × the mean over micro-batches of each one's balancing loss, each computed
+    by the model over its micro-batch as collated (padding masked)."""
+    ref = copy.deepcopy(model).to(torch.float64)
+    ref.set_experts_implementation("eager")  # the grouped matmul has no float64 kernel
+    ref.train()
+    silence_dropout(ref)
+    ref.zero_grad(set_to_none=True)
+    for rows in micro_batches:
+        batch = RecordingCollator()(rows)
+        outputs = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        (COEFFICIENT * outputs.aux_loss / len(micro_batches)).backward()
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def cross_entropy_gradient(model, window: list[dict]) -> dict[str, torch.Tensor]:
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation("eager")
+    return reference_gradient(ref, window)[0]
+
+
+def test_the_balancing_loss_is_kept_exactly_under_accumulation(tmp_path):
+    initial, rows = tiny_qwen3_moe(), ragged_rows(8, seed=1)
+    trainer, windows, snapshots = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path, 2, 2)
+    assert len(windows) == 2
+    collated = trainer.data_collator.batches
+    for k, window in enumerate(windows):
+        model = model_at(initial, snapshots[k])
+        micro_batches = collated[2 * k : 2 * k + 2]
+        ce, balance = cross_entropy_gradient(model, window), balance_gradient(model, micro_batches)
+        reference = {n: ce[n] + balance[n] for n in ce}
+        applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in reference}
+        assert relative_error(applied, reference) <= 1e-5
+        # the balancing term is not rounding: leaving it out, or weighing it K times, is far off
+        assert relative_error(applied, ce) > 1e-3
+        twice = {n: ce[n] + 2 * balance[n] for n in ce}
+        assert relative_error(applied, twice) > 1e-3
+
+
+def test_one_micro_batch_is_trainers_step(tmp_path):
+    initial, rows = tiny_qwen3_moe(), ragged_rows(4, seed=2)
+    ours = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "ours", 4, 1)[2]
+    stock = Trainer(
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path / "stock", 4, 1),
+        train_dataset=rows,
+        data_collator=RecordingCollator(),
+    )
+    stock.train()
+    theirs = {n: p.detach().double() for n, p in stock.model.named_parameters()}
+    router = [n for n in theirs if n.endswith("mlp.gate.weight")]
+    assert router and all(not torch.equal(ours[0][n], theirs[n]) for n in router)  # the router moved
+    for name in theirs:
+        assert torch.allclose(ours[1][name], theirs[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_model_without_the_router_loss_trains_on_the_cross_entropy_alone(tmp_path):
+    """output_router_logits off: no aux_loss returned, the cross-entropy alone (the brute force without the term)."""
+    initial, rows = tiny_qwen3_moe(router_loss=False), ragged_rows(4, seed=3)
+    _, windows, snapshots = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path, 2, 2)
+    reference = cross_entropy_gradient(initial, windows[0])
+    applied = {n: snapshots[0][n] - snapshots[1][n] for n in reference}
+    assert relative_error(applied, reference) <= 1e-5
+
+
+def moe_folder(tmp_path) -> Path:
+    """A tiny Qwen3-MoE with its router loss on and SmolLM2's tokenizer, saved as a hub model's folder is."""
+    folder = tmp_path / "tiny-qwen3-moe"
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        output_router_logits=True,
+        router_aux_loss_coef=COEFFICIENT,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("batching", ["padded", "packed"])
+def test_verify_checks_the_router_loss_in_float64(batching, tmp_path, capsys):
+    """verify's reference runs the experts one by one in float64 (their grouped matmul has none) and adds the
+    balancing term as training weighs it; without that term the step would be far off its floor."""
+    argv = [
+        "recipe=recipes/debug.yaml",
+        f"model.name_or_path={moe_folder(tmp_path)}",
+        "model.gguf_file=null",
+        f"data.batching={batching}",
+        "data.limit=16",
+        "data.max_length=64",
+        "train.max_grad_norm=0",
+    ]
+    code, out = verify.main(argv), capsys.readouterr().out
+    assert code == 0 and "verify: PASS" in out, out[-3000:]
