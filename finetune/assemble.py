@@ -30,6 +30,7 @@ from finetune.evaluation.prompts import sample_prompts
 from finetune.model import layer_kernels, loading, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
+from finetune.model.sequence_mixers import check_packed_mixers
 from finetune.recipe import (
     Config,
     DataConfig,
@@ -151,6 +152,8 @@ def load_tokenizer(model: ModelConfig, data: DataConfig, plan: RunPlan):
     plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
     folder = loading.model_folder(model)
     vision = vlm.is_vlm(model, data, plan, folder)
+    if plan.packs and (config := loading.model_config(model, folder)) is not None:  # before any weight loads
+        check_packed_mixers(model, plan, config)
     rows = image_text_rows(ImageInputs(**vlm.forward_image_inputs(model, folder))) if vision else TEXT_ROWS
     check_lora(model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(model, folder) if vision else loading.load_tokenizer(model, folder)

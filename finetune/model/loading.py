@@ -165,6 +165,19 @@ def load_tokenizer(cfg: ModelConfig, folder: str):
     return tokenizer
 
 
+def model_config(cfg: ModelConfig, folder: str):
+    """The model's config as load_model builds the model (from_config: with model.config_overrides), read before any
+    weight; None where it cannot be read (load_model then says why)."""
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    for key, value in cfg.config_overrides.items() if cfg.from_config else ():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    return config
+
+
 def load_model(cfg: ModelConfig, folder: str):
     dtype = DTYPES[cfg.dtype]
     common = dict(trust_remote_code=cfg.trust_remote_code)
