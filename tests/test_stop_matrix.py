@@ -38,15 +38,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 STOPPED = STOPPED_BY[signal.SIGTERM]  # 143: "stopped, resume me"
 LAUNCHER_REPLACES_IT = 1  # torchrun and a multi-process accelerate launch exit 1 after their ranks stopped and saved
 
-# launcher: (command before the script, ranks)
+SCRIPT = "finetune/train.py"
+# launcher: (the command before the recipe's arguments, ranks)
 LAUNCHERS = {
-    "python finetune/train.py": ([sys.executable], 1),
+    "python finetune/train.py": ([sys.executable, SCRIPT], 1),
     "finetune-train": ([str(BIN / "finetune-train")], 1),
-    "accelerate launch, 1 process": (ONE_RANK, 1),
-    "accelerate launch, 2 processes": (TWO_RANKS, 2),
-    "torchrun": (TORCHRUN, 2),
-    "finetune-launch torchrun": ([str(BIN / "finetune-launch"), *TORCHRUN], 2),
-    "finetune-launch accelerate launch, 1 process": ([str(BIN / "finetune-launch"), *ONE_RANK], 1),
+    "accelerate launch, 1 process": ([*ONE_RANK, SCRIPT], 1),
+    "accelerate launch, 2 processes": ([*TWO_RANKS, SCRIPT], 2),
+    "torchrun": ([*TORCHRUN, SCRIPT], 2),
+    "finetune-launch torchrun": ([str(BIN / "finetune-launch"), *TORCHRUN, SCRIPT], 2),
+    "finetune-launch accelerate launch, 1 process": ([str(BIN / "finetune-launch"), *ONE_RANK, SCRIPT], 1),
 }
 # (launcher, whom SIGTERM is sent to, the launcher's exit code as a shell reports it, the stop the run names)
 CELLS = [
@@ -167,7 +168,7 @@ def test_sigterm_saves_exits_with_the_documented_code_and_resumes_bitwise(
     out = tmp_path / "out"
     args = [*BASE, f"train.max_steps={STEPS}", f"train.output_dir={out}"]
     with turn_at_the_cores():
-        ended, output = stopped([*command, "finetune/train.py", *args], target, f"step 2/{STEPS}")
+        ended, output = stopped([*command, *args], target, f"step 2/{STEPS}")
     lines = re.findall(rf"^stopped by {why} after optimizer step (\d+) of {STEPS}; checkpoint: (\S+)$", output, re.M)
     assert len(lines) == 1, output[-4000:]
     step, checkpoint = lines[0]
