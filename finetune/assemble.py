@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback, set_seed
+from transformers.trainer_utils import unwrap_peft_model
 
 from finetune.data import batching, mixture, training_set
 from finetune.data.chat_templates import use_chat_template
@@ -220,6 +221,8 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
         reporting.main_print(layer_kernels.use_liger_kernels(layer_kernels.base_model(model)))
+    if line := loading.attention_line(model_cfg, unwrap_peft_model(model)):
+        reporting.main_print(line)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
         reporting.main_print(use_for_packed_rows(model))
     if train.compile_layers:  # last: the layers are compiled as they will run

@@ -165,6 +165,22 @@ def load_tokenizer(cfg: ModelConfig, folder: str):
     return tokenizer
 
 
+def attention_asked(cfg: ModelConfig) -> str | None:
+    """What transformers is asked for: None for auto, which it resolves to sdpa where the model class supports it,
+    else eager."""
+    return None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+
+
+def attention_line(cfg: ModelConfig, model) -> str | None:
+    """The start-up line where auto chose other than sdpa (a model without it: gpt-oss's attention sinks)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    chosen = getattr(text, "_attn_implementation", None)
+    if cfg.attn_implementation != "auto" or chosen in (None, "sdpa"):
+        return None
+    return f"attention: {chosen} (model.attn_implementation=auto: {type(model).__name__} has no sdpa attention)"
+
+
 def model_config(cfg: ModelConfig, folder: str):
     """The model's config as load_model builds the model (from_config: with model.config_overrides), read before any
     weight; None where it cannot be read (load_model then says why)."""
@@ -188,9 +204,9 @@ def load_model(cfg: ModelConfig, folder: str):
                 if not hasattr(config, key):
                     raise RecipeError(f"model.config_overrides.{key}: {type(config).__name__} has no such field")
                 setattr(config, key, value)
-            config._attn_implementation = cfg.attn_implementation
+            config._attn_implementation = attention_asked(cfg)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
-            attn = dict(attn_implementation=cfg.attn_implementation, **common)
+            attn = dict(attn_implementation=attention_asked(cfg), **common)
             model = quantize_built(
                 model, cfg, lambda path, **q: AutoModelForCausalLM.from_pretrained(path, **q, **attn)
             )
@@ -198,7 +214,7 @@ def load_model(cfg: ModelConfig, folder: str):
             if cfg.config_overrides:
                 raise RecipeError("model.config_overrides needs model.from_config=true (it changes the architecture)")
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, attn_implementation=cfg.attn_implementation, **load_options(cfg), **common
+                folder, dtype=dtype, attn_implementation=attention_asked(cfg), **load_options(cfg), **common
             )
     except RecipeError:
         raise

@@ -19,6 +19,7 @@ from finetune.model.assemblies import assembled_config, vlm_folder
 from finetune.model.freeze import freeze
 from finetune.model.image_rows import check_packing, forward_inputs
 from finetune.model.llava import IMAGE_TOKEN
+from finetune.model.loading import attention_asked
 from finetune.model.processors import auto_processor
 from finetune.model.quantized import DTYPES, load_options, prepare_kbit
 from finetune.recipe import DataConfig, ModelConfig, RecipeError, RunPlan, first_line
@@ -91,7 +92,7 @@ def load_vlm(cfg: ModelConfig, folder: str, processor):
         model = AutoModelForImageTextToText.from_pretrained(
             source,
             dtype=DTYPES[cfg.dtype],
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attention_asked(cfg),
             trust_remote_code=cfg.trust_remote_code,
             **load_options(cfg, vision=True),
         )

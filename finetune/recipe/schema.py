@@ -65,7 +65,11 @@ class ModelConfig:
     config_overrides: dict[str, Any] = setting(
         {}, help="model config fields changed before a from_config init ({hidden_size: 64, …})"
     )
-    attn_implementation: str = setting("sdpa", help="transformers' attn_implementation: sdpa, eager, flash_attention_2")
+    attn_implementation: str = setting(
+        "auto",
+        help="transformers' attn_implementation; auto: sdpa where the model has it, else eager (gpt-oss's sinks); or "
+        "sdpa, eager, flex_attention, flash_attention_2",
+    )
     trust_remote_code: bool = setting(False, help="let transformers run the model repository's own code")
     freeze: list[str] = setting([], help="module-name prefixes whose parameters do not train")
     lora: LoraConfig = section(LoraConfig)

@@ -1,0 +1,54 @@
+"""model.attn_implementation=auto (the default) takes what the model supports: sdpa where it can (no extra line), else
+eager, which the start-up line says (gpt-oss: attention sinks, no sdpa); an explicit implementation the model lacks is
+one error line, exit 2, nothing written."""
+
+from transformers import AutoConfig, AutoTokenizer
+
+from tests.data_files import smollm2_folder
+from tests.launch import call
+
+DEBUG = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
+
+
+def gpt_oss_folder(tmp_path):
+    """A tiny gpt-oss config at the debug recipe's size and SmolLM2's tokenizer (the recipe builds the model)."""
+    folder = tmp_path / "gpt-oss"
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    AutoConfig.for_model(
+        "gpt_oss",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_auto_takes_eager_for_a_model_without_sdpa_and_says_so(tmp_path, capfd):
+    model = [f"model.name_or_path={gpt_oss_folder(tmp_path)}", "model.gguf_file=null", "data.batching=padded"]
+    result = call(capfd, [*DEBUG, *model, "train.max_steps=1", f"train.output_dir={tmp_path / 'out'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("attention:")]
+    assert lines == ["attention: eager (model.attn_implementation=auto: GptOssForCausalLM has no sdpa attention)"]
+
+    out = tmp_path / "asked"
+    refused = call(capfd, [*DEBUG, *model, "model.attn_implementation=sdpa", f"train.output_dir={out}"])
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
+    assert "model.attn_implementation" in errors[0] and not any(out.rglob("*.safetensors"))
+
+
+def test_auto_keeps_sdpa_where_the_model_has_it_without_a_line(tmp_path, capfd):
+    result = call(capfd, [*DEBUG, "data.batching=padded", "train.max_steps=1", f"train.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [line for line in result.stdout.splitlines() if line.startswith("attention:")]
