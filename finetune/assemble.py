@@ -21,6 +21,7 @@ import torch
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import unwrap_peft_model
 
+from finetune.core.router_balance import has_router_loss
 from finetune.data import batching, mixture, training_set
 from finetune.data.chat_templates import use_chat_template
 from finetune.data.image_inputs import ImageInputs
@@ -111,6 +112,7 @@ def recipe_options(
         data_order_change=train.resume_data_order_change,
         merge_lora=model.lora.merge,
         activation_offloading=train.activation_offloading,
+        moe_balance=train.moe_balance,
     )
 
 
@@ -221,6 +223,11 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
         reporting.main_print(layer_kernels.use_liger_kernels(layer_kernels.base_model(model)))
+    if train.moe_balance == "window" and not has_router_loss(unwrap_peft_model(model)):
+        raise RecipeError(
+            f"train.moe_balance=window: {type(unwrap_peft_model(model)).__name__} adds no router balancing loss (not "
+            "a mixture of experts, or its config's output_router_logits is off); remove the key"
+        )
     if line := loading.attention_line(model_cfg, unwrap_peft_model(model)):
         reporting.main_print(line)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits

@@ -16,6 +16,7 @@ from finetune.testing.reference import reference_gradient, relative_error, silen
 from finetune.testing.toy import VOCAB, RecordingCollator, model_at, ragged_rows, sgd_args, train_recording
 from finetune.tools import verify
 from tests.data_files import smollm2_folder
+from tests.launch import call, forked_ranks
 
 COEFFICIENT = 0.5  # large enough that a dropped or K-times balancing loss moves the router by far more than rounding
 
@@ -80,6 +81,52 @@ def test_the_balancing_loss_is_kept_exactly_under_accumulation(tmp_path):
         assert relative_error(applied, twice) > 1e-3
 
 
+def window_balance_gradient(model, micro_batches: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """float64 gradient of the coefficient × transformers' own balancing loss over the whole window at once: every
+    micro-batch's router logits and masks concatenated into one call of its load_balancing_loss_func."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    ref = copy.deepcopy(model).to(torch.float64)
+    ref.set_experts_implementation("eager")
+    ref.train()
+    silence_dropout(ref)
+    ref.zero_grad(set_to_none=True)
+    layers, masks = None, []
+    for rows in micro_batches:
+        batch = RecordingCollator()(rows)
+        outputs = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        layers = [[] for _ in outputs.router_logits] if layers is None else layers
+        for layer, logits in zip(layers, outputs.router_logits):
+            layer.append(logits)
+        masks.append(batch["attention_mask"].reshape(-1))
+    gate_logits = tuple(torch.cat(layer) for layer in layers)
+    config = ref.config
+    loss = load_balancing_loss_func(
+        gate_logits, config.num_experts, config.num_experts_per_tok, torch.cat(masks).unsqueeze(0)
+    )
+    (COEFFICIENT * loss).backward()
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def test_the_windows_balancing_loss_is_exact_under_accumulation(tmp_path):
+    """moe_balance="window": the expert frequencies and router probabilities of the whole window, the loss once."""
+    initial, rows = tiny_qwen3_moe(), ragged_rows(8, seed=1)
+    trainer, windows, snapshots = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path, 2, 2, trainer_kwargs={"moe_balance": "window"}
+    )
+    collated = trainer.data_collator.batches
+    for k, window in enumerate(windows):
+        model = model_at(initial, snapshots[k])
+        micro_batches = collated[2 * k : 2 * k + 2]
+        ce = cross_entropy_gradient(model, window)
+        whole = window_balance_gradient(model, micro_batches)
+        reference = {n: ce[n] + whole[n] for n in ce}
+        applied = {n: snapshots[k][n] - snapshots[k + 1][n] for n in reference}
+        assert relative_error(applied, reference) <= 1e-5
+        means = balance_gradient(model, micro_batches)  # the mean of per-micro-batch losses is another objective
+        assert relative_error(applied, {n: ce[n] + means[n] for n in ce}) > 1e-4
+
+
 def test_one_micro_batch_is_trainers_step(tmp_path):
     initial, rows = tiny_qwen3_moe(), ragged_rows(4, seed=2)
     ours = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "ours", 4, 1)[2]
@@ -135,19 +182,45 @@ def moe_folder(tmp_path) -> Path:
     return folder
 
 
+MOE_DEBUG = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "train.max_grad_norm=0"]
+
+
 @pytest.mark.e2e
+@pytest.mark.parametrize("balance", ["micro", "window"])
 @pytest.mark.parametrize("batching", ["padded", "packed"])
-def test_verify_checks_the_router_loss_in_float64(batching, tmp_path, capsys):
+def test_verify_checks_the_router_loss_in_float64(batching, balance, tmp_path, capsys):
     """verify's reference runs the experts one by one in float64 (their grouped matmul has none) and adds the
-    balancing term as training weighs it; without that term the step would be far off its floor."""
-    argv = [
-        "recipe=recipes/debug.yaml",
-        f"model.name_or_path={moe_folder(tmp_path)}",
-        "model.gguf_file=null",
-        f"data.batching={batching}",
-        "data.limit=16",
-        "data.max_length=64",
-        "train.max_grad_norm=0",
-    ]
-    code, out = verify.main(argv), capsys.readouterr().out
+    balancing term as training weighs it: each micro-batch's averaged, or the window's through the model's own
+    load_balancing_loss_func over the whole window at once."""
+    folder = moe_folder(tmp_path)
+    argv = [*MOE_DEBUG, f"model.name_or_path={folder}", "model.gguf_file=null", f"data.batching={batching}"]
+    code, out = verify.main([*argv, f"train.moe_balance={balance}"]), capsys.readouterr().out
     assert code == 0 and "verify: PASS" in out, out[-3000:]
+
+
+def verify_passes(argv: list[str]) -> None:
+    assert verify.main(argv) == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("balance", ["micro", "window"])
+def test_two_ranks_balance_over_the_window_gathered_from_both(balance, tmp_path, capfd):
+    """Each rank's micro-batches weigh alike (micro), or the routing of both ranks' whole window counts once
+    (window): verify's float64 reference over the rows gathered from both ranks passes."""
+    folder = moe_folder(tmp_path)
+    argv = [*MOE_DEBUG, f"model.name_or_path={folder}", "model.gguf_file=null", f"train.moe_balance={balance}"]
+    capfd.readouterr()
+    forked_ranks(verify_passes, argv, ACCELERATE_USE_CPU="true")
+    out = capfd.readouterr().out
+    assert "from 2 ranks" in out and "verify: PASS" in out, out[-3000:]
+
+
+def test_window_balance_on_a_model_without_a_router_loss_is_one_line(tmp_path, capfd):
+    out = tmp_path / "out"
+    result = call(capfd, [*MOE_DEBUG, "train.moe_balance=window", "train.max_steps=1", f"train.output_dir={out}"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and errors == [
+        "error: train.moe_balance=window: LlamaForCausalLM adds no router balancing loss (not a mixture of experts, "
+        "or its config's output_router_logits is off); remove the key"
+    ], result.stderr[-3000:]
+    assert not any(out.rglob("*.safetensors"))

@@ -30,6 +30,7 @@ class StepVerdict:
     def __init__(self) -> None:
         self.window_label_tokens: int | None = None
         self.window_micro_batches = 1
+        self.window_routing: torch.Tensor | None = None  # moe_balance="window": the window's expert counts and rows
         self.foreign_losses = 0  # micro-batches of this window whose loss did not come from the window share
         self.micro_batch_loss_ours = False
         self.window_finite: bool | torch.Tensor = True  # a device tensor while the window runs: no host sync

@@ -81,6 +81,7 @@ from finetune.core.meter import (
     model_flops_utilisation,
     window_counts,
 )
+from finetune.core.router_balance import experts_of, probability_sums, routing_counts, window_share
 from finetune.core.step_verdict import StepGate, StepVerdict
 
 logger = logging.get_logger(__name__)
@@ -93,9 +94,19 @@ class TokenNormTrainer(Trainer):
     `require_exact` (True: where this trainer would fall back to `Trainer`'s own loss, it raises instead).
     """
 
-    def __init__(self, *args, peak_flops: float | None = None, require_exact: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        peak_flops: float | None = None,
+        require_exact: bool = False,
+        moe_balance: str = "micro",
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.require_exact = require_exact
+        if moe_balance not in ("micro", "window"):
+            raise ValueError(f"moe_balance={moe_balance!r}: micro (each micro-batch's) or window (the whole window's)")
+        self.moe_balance = moe_balance  # a mixture of experts' router balancing loss: per micro-batch or per window
         if self.get_cp_size() > 1 or self.get_sp_size() > 1:
             raise NotImplementedError(
                 "TokenNormTrainer computes the loss from full-sequence logits; context/sequence parallelism shards "
@@ -219,7 +230,30 @@ class TokenNormTrainer(Trainer):
             counts = (reduced // self.get_tp_size()).tolist()
         self.meter.add(counts)
         self.verdict.open_window(counts[0], len(batch_samples))
+        if self.moe_balance == "window":
+            self.verdict.window_routing = self._window_routing(batch_samples)
         return batch_samples, counts[0]
+
+    def _window_routing(self, batch_samples) -> torch.Tensor | None:
+        """moe_balance="window": the routing of every micro-batch of the window, before its first backward (a
+        no-grad forward of each, as training will run it), summed over the data-parallel ranks
+        (finetune/core/router_balance.py); None for a model without a router balancing loss."""
+        model = unwrap_peft_model(self.accelerator.unwrap_model(self.model))
+        shape = experts_of(model)
+        if shape is None or balance_coefficient(model) is None:
+            return None
+        counts = None
+        with torch.no_grad(), self.compute_loss_context_manager():
+            for batch in batch_samples:
+                forward = self.forward_takes.inputs(model, self._prepare_inputs(batch), False)
+                if self.forward_takes.logits_to_keep:
+                    forward["logits_to_keep"] = 1  # the routing is wanted, not the logits
+                outputs = self.model(**forward, output_router_logits=True)
+                routed = routing_counts(outputs.router_logits, forward.get("attention_mask"), *shape)
+                counts = routed if counts is None else counts + routed
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum") / self.get_tp_size()
+        return counts
 
     # ---- loss: sum from the logits, divided by the window's count ----
 
@@ -244,9 +278,18 @@ class TokenNormTrainer(Trainer):
                     self._fall_back(aux_loss_line(type(self.accelerator.unwrap_model(model)).__name__))
                     self.loss_kind = None  # every hook now takes Trainer's own path
                     return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-                loss = loss + token_mean.balance_share(aux, coefficient, self.verdict.window_micro_batches)
+                loss = loss + self._balance_share(aux, coefficient, outputs, inputs)
             self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
+
+    def _balance_share(self, aux: torch.Tensor, coefficient: float, outputs, inputs: Mapping) -> torch.Tensor:
+        """This micro-batch's share of the router balancing loss: of the whole window's (moe_balance="window"), else
+        of the mean of each micro-batch's own (finetune/core/token_mean.py, router_balance.py)."""
+        routing = self.verdict.window_routing
+        if self.moe_balance == "window" and routing is not None:
+            sums = probability_sums(outputs.router_logits, inputs.get("attention_mask"))
+            return window_share(sums, routing, coefficient, self._data_parallel_size())
+        return token_mean.balance_share(aux, coefficient, self.verdict.window_micro_batches)
 
     def _loss_of_func(self, model, inputs, targets, return_outputs, num_items_in_batch):
         """A `compute_loss_func` divides its own sum by the count it is given: the window's (training) or the batch's

@@ -122,6 +122,12 @@ class TrainConfig:
     on_nonfinite: str = one_of(
         "skip", "stop", help="NaN/inf loss or gradients: skip the update (counted) or stop the run (exit 3)"
     )
+    moe_balance: str = one_of(
+        "micro",
+        "window",
+        help="a mixture of experts' router balancing loss: each micro-batch's, averaged over the window (micro), or "
+        "the whole window's over all ranks (window: a no-grad forward of the window first)",
+    )
     gradient_checkpointing: bool = setting(False, help="recompute activations in backward: less memory, slower")
     activation_offloading: bool = setting(
         False, help="keep the forward's saved activations in host memory until backward (save_on_cpu): less GPU memory"

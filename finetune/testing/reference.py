@@ -10,6 +10,8 @@ compare training with. It shares no code with what it checks: the loss is writte
 - `reference_gradient`: a float64 copy of the model with dropout off (what the tests and scripts/exactness.py use).
 - `balance_gradients`: a mixture of experts' router balancing term, per micro-batch (it is defined over a
   micro-batch's tokens, as the model computes it): the coefficient × the mean over the window's micro-batches.
+  `window_balance_gradients`: the window's (moe_balance="window"): the model's own load_balancing_loss_func over
+  every micro-batch's router logits at once, its gradient split by micro-batch through their logits.
 - `exact_experts`: a mixture of experts' experts one by one (transformers' eager experts) where its grouped matmul
   has no float64 kernel.
 """
@@ -17,6 +19,7 @@ compare training with. It shares no code with what it checks: the loss is writte
 from __future__ import annotations
 
 import copy
+import sys
 from typing import NamedTuple
 
 import torch
@@ -144,3 +147,28 @@ def balance_gradients(model, batches: list[dict], coefficient: float | None) -> 
         grads = torch.autograd.grad(aux * (coefficient / len(batches)), list(trainable.values()), allow_unused=True)
         gradients.append({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(trainable.items(), grads)})
     return gradients
+
+
+def window_balance_gradients(model, batches: list[dict], coefficient: float | None) -> list[dict] | None:
+    """Per micro-batch (`batches` as collated, every rank's), its part of the gradient of the coefficient × the
+    window's balancing loss, computed by the model's own `load_balancing_loss_func` over every micro-batch's router
+    logits and masks concatenated: the expert frequencies and router probabilities of the whole window. The
+    frequencies have no gradient, so the loss is linear in each micro-batch's probabilities: a micro-batch's part is
+    the gradient of that loss with every other micro-batch's logits detached. None where the model has no such
+    loss."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    balance_loss = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
+    outputs = [model(**inputs, output_router_logits=True) for inputs in batches]
+    if balance_loss is None or not coefficient or outputs[0].get("router_logits") is None:
+        return None
+    masks = [inputs.get("attention_mask") for inputs in batches]
+    mask = None if any(m is None for m in masks) else torch.cat([m.reshape(-1) for m in masks]).unsqueeze(0)
+    layers = list(zip(*(o.router_logits for o in outputs)))  # per layer: each micro-batch's [rows, experts]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    parts = []
+    for k in range(len(outputs)):  # the loss of the whole window, only micro-batch k's logits carrying a gradient
+        gate_logits = tuple(torch.cat([x if j == k else x.detach() for j, x in enumerate(layer)]) for layer in layers)
+        share = coefficient * balance_loss(gate_logits, base.num_experts, base.num_experts_per_tok, mask)
+        grads = torch.autograd.grad(share, list(trainable.values()), retain_graph=True, allow_unused=True)
+        parts.append({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(trainable.items(), grads)})
+    return parts

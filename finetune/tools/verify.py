@@ -174,7 +174,7 @@ def check_windows(cfg: Config, recorder: WindowRecorder, trainer) -> list[StepCh
         model.to(dtype)  # the captured float32 values: exact in float64
         keep_parts = len(micro_batches) * n_trainable * 4 <= psutil.virtual_memory().available / 4
         reference, loss, targets, parts = window_gradient(model, micro_batches, logits_of, dtype, keep_parts=keep_parts)
-        reference, parts = with_balance(model, micro_batches, inputs_of, reference, parts)
+        reference, parts = with_balance(model, micro_batches, (inputs_of, cfg.train.moe_balance), reference, parts)
         clip, norms = 1.0, None
         if capture_k["norm"] is not None:
             norms = (capture_k["norm"], math.sqrt(sum(float((g.double() ** 2).sum()) for g in reference.values())))
@@ -235,18 +235,21 @@ def own_arithmetic_gradient(cfg: Config, model, micro_batches, reading, device) 
 
     grads = window_gradient(model, micro_batches, own_logits, torch.float32).grads
     with autocast():
-        grads, _ = with_balance(model, micro_batches, inputs_of, grads, None)
+        grads, _ = with_balance(model, micro_batches, (inputs_of, cfg.train.moe_balance), grads, None)
     return {n: g.detach().to("cpu", torch.float64) for n, g in grads.items()}
 
 
-def with_balance(model, micro_batches, inputs_of, reference: dict, parts: list | None):
+def with_balance(model, micro_batches, reading, reference: dict, parts: list | None):
     """The reference (and each micro-batch's share of it) with a mixture of experts' router balancing term added:
-    the coefficient × the mean over the window's micro-batches of each one's balancing loss, as training weighs it
-    (finetune/core/token_mean.py: balance_share). Unchanged for a model without one."""
+    the coefficient × the mean over the window's micro-batches of each one's balancing loss (train.moe_balance=micro,
+    as finetune/core/token_mean.py's balance_share weighs it), or × the whole window's (window). Unchanged for a model
+    without one. `reading`: (a micro-batch's model inputs, train.moe_balance)."""
     from finetune.core.heads import balance_coefficient
-    from finetune.testing.reference import balance_gradients
+    from finetune.testing.reference import balance_gradients, window_balance_gradients
 
-    balance = balance_gradients(model, [inputs_of(rows) for rows in micro_batches], balance_coefficient(model))
+    inputs_of, mode = reading
+    gradients = window_balance_gradients if mode == "window" else balance_gradients
+    balance = gradients(model, [inputs_of(rows) for rows in micro_batches], balance_coefficient(model))
     if balance is None:
         return reference, parts
     total = {n: g + sum(b[n].to(g.device, g.dtype) for b in balance) for n, g in reference.items()}

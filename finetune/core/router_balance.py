@@ -1,0 +1,71 @@
+"""A mixture of experts' router balancing loss over the whole accumulation window (`moe_balance="window"`). Pure
+functions (torch only).
+
+transformers' `load_balancing_loss_func` (Switch style) over the (layer, token) rows it is given, padding masked:
+f_e = the top-k routing slots that went to expert e ÷ rows, P_e = the router probability of e summed ÷ rows, loss
+= N_E Σ_e f_e P_e. Per micro-batch (`"micro"`) it is the model's own `aux_loss`, averaged over the window
+(token_mean.balance_share). Over the window (the global-batch balancing of the Qwen team and Megatron-Core), f and P
+count every micro-batch of the window on every rank, then the loss is taken once:
+
+1. `routing_counts`: before the window's first backward, a no-grad forward of each micro-batch gives its routing
+   (f has no gradient); summed over the window and the data-parallel ranks with the rows.
+2. `window_share`: micro-batch k contributes coefficient × N_E Σ_e f_e · (its probability sums of e) ÷ rows, × the
+   data-parallel size (DDP averages over ranks): the ranks' average of the K shares' gradients is the window loss's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def experts_of(model) -> tuple[int, int] | None:
+    """(experts, experts per token) as the model's forward passes them to its balancing loss; None where unknown."""
+    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if isinstance(experts, int) and isinstance(top_k, int) else None
+
+
+def has_router_loss(model) -> bool:
+    """Whether the model's forward adds a router balancing loss: a mixture of experts with output_router_logits on
+    and a router_aux_loss_coef, whose expert counts are known."""
+    config = getattr(model, "config", None)
+    coefficient = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
+    return bool(getattr(config, "output_router_logits", False)) and coefficient is not None and bool(experts_of(model))
+
+
+def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    return attention_mask.reshape(-1).to(router_logits[0].device, torch.float32)
+
+
+def routing_counts(router_logits: tuple, attention_mask: torch.Tensor | None, experts: int, top_k: int) -> torch.Tensor:
+    """[experts + 1] float64: the top-k slots each expert got over every layer's unmasked rows, then the rows."""
+    mask = _rows_mask(router_logits, attention_mask)
+    counts = torch.zeros(experts + 1, dtype=torch.float64, device=router_logits[0].device)
+    for layer in router_logits:
+        chosen = torch.topk(torch.softmax(layer.float(), dim=-1), top_k, dim=-1).indices.reshape(-1)
+        weights = torch.ones_like(chosen, dtype=torch.float64) if mask is None else mask.repeat_interleave(top_k)
+        counts[:experts].scatter_add_(0, chosen, weights.double())
+        counts[experts] += layer.shape[0] if mask is None else mask.sum().double()
+    return counts
+
+
+def probability_sums(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[experts]: the router probabilities summed over every layer's unmasked rows (with their gradient)."""
+    mask = _rows_mask(router_logits, attention_mask)
+    total = 0
+    for layer in router_logits:
+        probabilities = torch.softmax(layer.float(), dim=-1)
+        total = total + (probabilities if mask is None else probabilities * mask.unsqueeze(-1)).sum(dim=0)
+    return total
+
+
+def window_share(
+    prob_sums: torch.Tensor, window_counts: torch.Tensor, coefficient: float, data_parallel_size: int
+) -> torch.Tensor:
+    """One micro-batch's share of coefficient × the window's balancing loss (`window_counts`: routing_counts summed
+    over the window's micro-batches and ranks)."""
+    experts = prob_sums.shape[-1]
+    rows = window_counts[experts].clamp(min=1)
+    fractions = (window_counts[:experts] / rows).to(prob_sums.device, prob_sums.dtype)
+    return coefficient * experts * (fractions * prob_sums).sum() / rows.to(prob_sums.dtype) * data_parallel_size
