@@ -224,3 +224,47 @@ def test_window_balance_on_a_model_without_a_router_loss_is_one_line(tmp_path, c
         "or its config's output_router_logits is off); remove the key"
     ], result.stderr[-3000:]
     assert not any(out.rglob("*.safetensors"))
+
+
+def window_figures(model, micro_batches: list[list[dict]], balance: str) -> tuple[float, list[float]]:
+    """(coefficient × the step's balancing loss as `balance` defines it, each layer's largest expert count ÷ the mean),
+    recomputed with transformers' own load_balancing_loss_func and the router logits of each micro-batch."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    layers, masks, losses = None, [], []
+    with torch.no_grad():
+        for rows in micro_batches:
+            batch = RecordingCollator()(rows)
+            outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            layers = [[] for _ in outputs.router_logits] if layers is None else layers
+            for layer, logits in zip(layers, outputs.router_logits):
+                layer.append(logits)
+            masks.append(batch["attention_mask"].reshape(-1))
+            losses.append(float(outputs.aux_loss))
+    mask = torch.cat(masks)
+    gate_logits = tuple(torch.cat(layer) for layer in layers)
+    whole = float(load_balancing_loss_func(gate_logits, experts, top_k, mask.unsqueeze(0)))
+    loads = []
+    for logits in gate_logits:
+        chosen = torch.topk(logits, top_k, dim=-1).indices[mask.bool()].reshape(-1)
+        counts = torch.bincount(chosen, minlength=experts).double()
+        loads.append(float(counts.max() / counts.mean()))
+    return COEFFICIENT * (whole if balance == "window" else sum(losses) / len(losses)), loads
+
+
+@pytest.mark.parametrize("balance", ["micro", "window"])
+def test_each_step_logs_its_balancing_loss_and_expert_load(balance, tmp_path):
+    initial, rows = tiny_qwen3_moe(), ragged_rows(8, seed=1)
+    trainer, _, snapshots = train_recording(
+        TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path, 2, 2, trainer_kwargs={"moe_balance": balance}
+    )
+    steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(steps) == 2
+    for k, logged in enumerate(steps):
+        balance_loss, loads = window_figures(
+            model_at(initial, snapshots[k]), trainer.data_collator.batches[2 * k : 2 * k + 2], balance
+        )
+        assert logged["balance_loss"] == pytest.approx(balance_loss, rel=1e-5)
+        assert [logged[f"expert_load/layer_{i}"] for i in range(len(loads))] == pytest.approx(loads, rel=1e-9)
+        assert logged["expert_load"] == pytest.approx(max(loads)) and max(loads) > 1

@@ -194,3 +194,38 @@ class WindowMeter:
             self.peak_mem_mb = max(self.peak_mem_mb, logs["peak_mem_mb"])
         self.windows, self.totals, self.since = 0, [0] * len(COUNTS), now
         return logs
+
+
+class RouterMeter:
+    """A mixture of experts' router between two log lines, on the device until drained (no host sync per step): the
+    balancing term the steps added (this rank's shares, summed per window) and each layer's top-k routing counts.
+    Drained: `balance_loss`, the mean per optimizer step over the ranks; `expert_load`, the largest expert's share of
+    routing ÷ the mean share in the layer where it is highest (1: even; a collapsing router grows it), and per layer
+    `expert_load/layer_N`."""
+
+    def __init__(self):
+        self.windows = 0
+        self.balance: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def open_window(self) -> None:
+        self.windows += 1
+
+    def add(self, share: torch.Tensor, counts: torch.Tensor) -> None:
+        share = share.detach().double()
+        self.balance = share if self.balance is None else self.balance + share
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def drain(self, accelerator) -> dict[str, float]:
+        if self.balance is None:
+            return {}
+        balance, counts = self.balance / max(self.windows, 1), self.counts
+        if accelerator.num_processes > 1:  # every rank logs the same figures: one collective each, at log time
+            balance, counts = accelerator.reduce(balance, reduction="mean"), accelerator.reduce(counts, reduction="sum")
+        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
+        self.windows, self.balance, self.counts = 0, None, None
+        return {
+            "balance_loss": float(balance),
+            "expert_load": max(load),
+            **{f"expert_load/layer_{layer}": value for layer, value in enumerate(load)},
+        }

@@ -11,6 +11,9 @@ count every micro-batch of the window on every rank, then the loss is taken once
    (f has no gradient); summed over the window and the data-parallel ranks with the rows.
 2. `window_share`: micro-batch k contributes coefficient × N_E Σ_e f_e · (its probability sums of e) ÷ rows, × the
    data-parallel size (DDP averages over ranks): the ranks' average of the K shares' gradients is the window loss's.
+
+`layer_counts` gives each layer's routing for the logs (`RouterMeter` in finetune/core/meter.py): a collapsing
+router shows as one expert's load far above the mean.
 """
 
 from __future__ import annotations
@@ -47,6 +50,17 @@ def routing_counts(router_logits: tuple, attention_mask: torch.Tensor | None, ex
         weights = torch.ones_like(chosen, dtype=torch.float64) if mask is None else mask.repeat_interleave(top_k)
         counts[:experts].scatter_add_(0, chosen, weights.double())
         counts[experts] += layer.shape[0] if mask is None else mask.sum().double()
+    return counts
+
+
+def layer_counts(router_logits: tuple, attention_mask: torch.Tensor | None, experts: int, top_k: int) -> torch.Tensor:
+    """[layers, experts] float64: the top-k slots each expert got in each layer over the unmasked rows."""
+    mask = _rows_mask(router_logits, attention_mask)
+    counts = torch.zeros(len(router_logits), experts, dtype=torch.float64, device=router_logits[0].device)
+    for layer, logits in enumerate(router_logits):
+        chosen = torch.topk(logits.detach().float(), top_k, dim=-1).indices.reshape(-1)
+        weights = torch.ones_like(chosen, dtype=torch.float64) if mask is None else mask.repeat_interleave(top_k)
+        counts[layer].scatter_add_(0, chosen, weights.double())
     return counts
 
 

@@ -74,6 +74,7 @@ from finetune.core.loss_choice import (
 )
 from finetune.core.meter import (
     TIMING_KEYS,
+    RouterMeter,
     WindowMeter,
     compute_precision,
     device_peak_flops,
@@ -81,7 +82,7 @@ from finetune.core.meter import (
     model_flops_utilisation,
     window_counts,
 )
-from finetune.core.router_balance import experts_of, probability_sums, routing_counts, window_share
+from finetune.core.router_balance import experts_of, layer_counts, probability_sums, routing_counts, window_share
 from finetune.core.step_verdict import StepGate, StepVerdict
 
 logger = logging.get_logger(__name__)
@@ -135,6 +136,7 @@ class TokenNormTrainer(Trainer):
         # every optimizer step consults updates_weights() (finetune/core/step_verdict.py)
         self.step_gate = StepGate(self.updates_weights, self._say_why_not_updated)
         self.meter = WindowMeter()  # what the windows held and how fast they went: the step logs, the end-of-run table
+        self.router_meter = RouterMeter()  # a mixture of experts: its balancing term and each layer's expert load
         # MFU is logged where the device's peak is known (a table of GPUs) or given.
         self.peak_flops = peak_flops or device_peak_flops(compute_precision(self.args.bf16, self.args.fp16, self.model))
         self._matmul_params: int | None = None
@@ -230,6 +232,7 @@ class TokenNormTrainer(Trainer):
             counts = (reduced // self.get_tp_size()).tolist()
         self.meter.add(counts)
         self.verdict.open_window(counts[0], len(batch_samples))
+        self.router_meter.open_window()
         if self.moe_balance == "window":
             self.verdict.window_routing = self._window_routing(batch_samples)
         return batch_samples, counts[0]
@@ -285,11 +288,16 @@ class TokenNormTrainer(Trainer):
     def _balance_share(self, aux: torch.Tensor, coefficient: float, outputs, inputs: Mapping) -> torch.Tensor:
         """This micro-batch's share of the router balancing loss: of the whole window's (moe_balance="window"), else
         of the mean of each micro-batch's own (finetune/core/token_mean.py, router_balance.py)."""
-        routing = self.verdict.window_routing
+        routing, mask = self.verdict.window_routing, inputs.get("attention_mask")
         if self.moe_balance == "window" and routing is not None:
-            sums = probability_sums(outputs.router_logits, inputs.get("attention_mask"))
-            return window_share(sums, routing, coefficient, self._data_parallel_size())
-        return token_mean.balance_share(aux, coefficient, self.verdict.window_micro_batches)
+            sums = probability_sums(outputs.router_logits, mask)
+            share = window_share(sums, routing, coefficient, self._data_parallel_size())
+        else:
+            share = token_mean.balance_share(aux, coefficient, self.verdict.window_micro_batches)
+        experts = experts_of(unwrap_peft_model(self.accelerator.unwrap_model(self.model)))
+        if experts is not None and getattr(outputs, "router_logits", None) is not None:  # the ranks' mean of the
+            self.router_meter.add(share, layer_counts(outputs.router_logits, mask, *experts))  # summed shares: the term
+        return share
 
     def _loss_of_func(self, model, inputs, targets, return_outputs, num_items_in_batch):
         """A `compute_loss_func` divides its own sum by the count it is given: the window's (training) or the batch's
@@ -442,6 +450,7 @@ class TokenNormTrainer(Trainer):
         timing = ()
         if self.loss_kind is not None and "loss" in logs and "grad_norm" in logs:  # an optimizer-step line
             logs.update(self.meter.drain())
+            logs.update(self.router_meter.drain(self.accelerator))
             if self.peak_flops and logs.get("real_tokens_per_s"):
                 model = self.accelerator.unwrap_model(self.model)
                 if self._matmul_params is None:

@@ -19,6 +19,8 @@ STEP_FIELDS = [  # (log key, label, format) of the one console line per logged o
     ("window_label_tokens", "targets", "{:.0f}"),
     ("real_tokens_per_s", "tok/s", "{:.0f}"),
     ("padding_efficiency", "real", "{:.0%}"),
+    ("balance_loss", "balance", "{:.4g}"),  # a mixture of experts' router balancing term (finetune/core/meter.py)
+    ("expert_load", "load", "{:.2f}"),  # its busiest expert's routing share ÷ the mean, in the worst layer
     ("mfu", "mfu", "{:.1%}"),
     ("peak_mem_mb", "mem", "{:.0f} MB"),
 ]
