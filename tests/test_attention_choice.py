@@ -1,6 +1,8 @@
 """model.attn_implementation=auto (the default) takes what the model supports: sdpa where it can (no extra line), else
 eager, which the start-up line says (gpt-oss: attention sinks, no sdpa); an explicit implementation the model lacks is
-one error line, exit 2, nothing written."""
+one error line, exit 2, nothing written. Packed rows under an attention other than sdpa are probed against their
+sequences run alone: gpt-oss builds its masks without the position_ids, so its packed rows would attend across
+sequences, and packing it is one error line; a Llama on eager packs exactly."""
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -52,3 +54,29 @@ def test_auto_keeps_sdpa_where_the_model_has_it_without_a_line(tmp_path, capfd):
     result = call(capfd, [*DEBUG, "data.batching=padded", "train.max_steps=1", f"train.output_dir={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert not [line for line in result.stdout.splitlines() if line.startswith("attention:")]
+
+
+def test_packed_rows_whose_attention_crosses_sequences_are_refused_and_eager_llama_packs(tmp_path, capfd):
+    model = [f"model.name_or_path={gpt_oss_folder(tmp_path)}", "model.gguf_file=null", "data.batching=packed"]
+    out = tmp_path / "out"
+    refused = call(capfd, [*DEBUG, *model, "train.max_steps=1", f"train.output_dir={out}"])
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
+    assert errors[0].startswith(
+        "error: packed rows (data.batching or eval.batching=packed): GptOssForCausalLM with attention eager lets the "
+        "sequences of a packed row attend to one another (a packed probe row's logits differ from its sequences' run "
+        "alone by "
+    ) and errors[0].endswith("set data.batching (and eval.batching) to token_budget or padded"), errors[0]
+    assert not any(out.rglob("*.safetensors"))
+    eager = call(
+        capfd,
+        [
+            *DEBUG,
+            "data.batching=packed",
+            "model.attn_implementation=eager",
+            "train.max_steps=1",
+            f"train.output_dir={tmp_path / 'llama'}",
+        ],
+    )
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert "attention: eager (per-sequence packed attention replaces sdpa only)" in eager.stdout

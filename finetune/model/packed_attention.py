@@ -28,8 +28,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.utils import logging
 
-from finetune.model.packed_probe import NAME, probe_error
+from finetune.model.packed_probe import NAME, packed_row_error, probe_error
 from finetune.model.varlen_attention import VarlenKernel, torch_varlen_attn
+from finetune.recipe import RecipeError
 
 logger = logging.get_logger(__name__)
 
@@ -241,6 +242,12 @@ def use_for_packed_rows(model) -> str:
     text = model.config.get_text_config()
     current = text._attn_implementation
     if current != "sdpa":
+        if "flash" not in current and (why := packed_row_error(model)):  # flash kernels: varlen from position_ids
+            raise RecipeError(
+                f"packed rows (data.batching or eval.batching=packed): {type(model).__name__} with attention {current} "
+                f"lets the sequences of a packed row attend to one another ({why}); set data.batching (and "
+                "eval.batching) to token_budget or padded"
+            )
         return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
     attention = register()
     reason = config_reason(text) or probe_error(model)

@@ -56,3 +56,32 @@ def probe_error(model) -> str | None:
     if not difference <= tolerance * scale:
         return f"its logits differ from sdpa's by {difference:.3g} on a packed probe row"
     return None
+
+
+def packed_row_error(model) -> str | None:
+    """Why the model's own attention (not sdpa) would let the sequences of a packed row see one another: the probe
+    row's logits against each of its sequences run alone (None: the same, to rounding). transformers derives a packed
+    row's block-diagonal mask from its position_ids for most families, not for every one (gpt-oss builds its masks
+    without them)."""
+    batch = probe_batch(model)
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # as probe_error: random state untouched
+            packed = model(**batch).logits.float()
+            start, alone = 0, []
+            for length in PROBE_LENGTHS:
+                positions = batch["position_ids"][..., start : start + length]
+                ids = batch["input_ids"][:, start : start + length]
+                alone.append(model(input_ids=ids, position_ids=positions, use_cache=False).logits.float())
+                start += length
+    except Exception as e:  # an architecture the probe does not fit: said, not guessed
+        return f"the packed probe row cannot run ({type(e).__name__}: {first_line(e)})"
+    finally:
+        model.train(training)
+    reference = torch.cat(alone, dim=1)
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
+    difference = float((packed - reference).abs().max())
+    if not difference <= tolerance * max(float(reference.abs().max()), 1.0):
+        return f"a packed probe row's logits differ from its sequences' run alone by {difference:.3g}"
+    return None
