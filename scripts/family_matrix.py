@@ -1,0 +1,168 @@
+"""The family matrix (docs/models.md): `finetune.verify` on a tiny random model of each decoder family, padded, packed.
+
+    OMP_NUM_THREADS=1 python scripts/family_matrix.py [--families llama,qwen3] [--output docs/models.md]
+
+Each case is tests/test_families.py's: the family's tiny config from finetune/testing/families.py and SmolLM2's
+tokenizer (the debug recipe's) in a temporary folder, the debug recipe's one optimizer step (16 rows of at most 64
+tokens) checked against the float64 brute force, in this process through `finetune.tools.verify.main`. A cell is PASS
+or FAIL with the largest relative error and its tolerance (from verify's last line), `refused` with the reason of its
+one `error:` line, or the exception of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from finetune.testing.families import FAMILIES, RECIPE_KEYS, family_folder, verify_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BATCHINGS = ("padded", "packed")
+VERDICT = re.compile(r"^verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\)", re.MULTILINE)
+STATE = re.compile(r"would carry the state of its (.+?) layers")
+CROSSING = re.compile(r"lets the sequences of a packed row attend to one another")
+COMMAND = "OMP_NUM_THREADS=1 .venv/bin/python scripts/family_matrix.py"
+
+
+def outcome(code: int, out: str, err: str) -> str:
+    """The cell for one verify run: its verdict and figures, a refusal's reason, or the error it ended with."""
+    if (verdict := VERDICT.search(out)) is not None:
+        word, error, tolerance = verdict.groups()
+        return f"{word} {error} (tolerance {tolerance})"
+    errors = [line.removeprefix("error: ") for line in err.splitlines() if line.startswith("error: ")]
+    if code == 2 and errors:
+        state = STATE.search(errors[0])
+        reason = f"state of its {state.group(1)} layers would cross sequences" if state else errors[0][:120]
+        if CROSSING.search(errors[0]):
+            reason = "its attention lets a packed row's sequences see one another (the packed probe)"
+        return f"refused: {reason}"
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith(" ")]
+    last = next((line for line in reversed(lines) if "Error" in line or "error" in line), "no verdict printed")
+    return f"error (exit {code}): {last[:160]}"
+
+
+def debug_tokenizer():
+    """SmolLM2's tokenizer, as the debug recipe loads it (its GGUF converted once into the cache)."""
+    from finetune.model.loading import load_tokenizer, model_folder
+    from finetune.recipe import load_config
+
+    model = load_config([f"recipe={ROOT / 'recipes' / 'debug.yaml'}"]).model
+    return load_tokenizer(model, model_folder(model))
+
+
+def run_case(family: str, batching: str, tokenizer) -> tuple[str, float]:
+    """(the cell, seconds) for one family and batching, verify run in this process on a fresh tiny model."""
+    from finetune.tools import verify
+
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="family-matrix-") as scratch:
+        folder = family_folder(Path(scratch), family, tokenizer)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = verify.main(verify_argv(folder, family, batching))
+            except Exception as e:  # the boundary keeps a bug's traceback; anything past it is still one cell
+                code, err = 70, io.StringIO(f"{type(e).__name__}: {e}")
+    return outcome(code, out.getvalue(), err.getvalue()), time.perf_counter() - start
+
+
+def notes(family: str) -> str:
+    """What the family's tiny model exercises beyond a plain decoder, from its config kwargs and model class."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kwargs, found = FAMILIES[family], []
+    if "num_experts_per_tok" in kwargs:
+        router = kwargs.get("output_router_logits") and kwargs.get("router_aux_loss_coef")
+        found.append(f"experts, router loss ×{router:g}" if router else "experts (no router loss in the family)")
+    if "sliding_window" in kwargs:
+        found.append(f"sliding window {kwargs['sliding_window']}")
+    if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]), "_supports_sdpa", True):
+        found.append("eager attention (no sdpa in its class; `model.attn_implementation=auto` picks eager)")
+    found += [f"`{key}`" for key in RECIPE_KEYS.get(family, [])]
+    return "; ".join(found)
+
+
+def shell(*command: str) -> str:
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def header() -> str:
+    import torch
+    import transformers
+
+    return (
+        "# Model families\n\n"
+        "Generated by `scripts/family_matrix.py`; do not edit by hand. Each decoder family of the installed "
+        "transformers, as a tiny random model (finetune/testing/families.py: hidden 64, 2 layers, 4 heads, SmolLM2's "
+        "tokenizer), trained one optimizer step of recipes/debug.yaml (16 rows of at most 64 tokens, micro-batch 4 × "
+        "accumulation 2) through `finetune.verify`, which compares the applied gradient with the float64 brute force "
+        "(each sequence alone, unpadded; docs/exactness.md), with padded rows and with packed rows. A cell gives "
+        "verify's verdict with the largest relative error and the tolerance it was held to, or `refused` with the "
+        "reason of its one `error:` line: packed rows are refused for models whose layers carry state along the "
+        "sequence (finetune/model/sequence_mixers.py), and for models whose attention lets a packed row's sequences "
+        "see one another (the packed probe, finetune/model/packed_probe.py); `data.batching=token_budget` or `padded` "
+        "is exact for them. "
+        "Mixtures of experts run with their router balancing loss on where the family has one. "
+        "tests/test_families.py asserts the same outcomes. Seconds: "
+        "each case's wall time in one process, one after another (the first includes the imports).\n\n"
+        f"Measured {shell('date', '-u', '+%F')} at commit `{shell('git', 'rev-parse', '--short', 'HEAD')}` on "
+        f"{cpu_name()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), transformers "
+        f"{transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}. Regenerate "
+        f"with:\n\n    {COMMAND}\n"
+    )
+
+
+def table(results: dict[str, dict[str, tuple[str, float]]]) -> str:
+    lines = [
+        "| family | padded | packed | seconds (padded / packed) | notes |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for family, cells in results.items():
+        seconds = " / ".join(f"{cells[b][1]:.1f}" for b in BATCHINGS)
+        lines.append(f"| `{family}` | {cells['padded'][0]} | {cells['packed'][0]} | {seconds} | {notes(family)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model types (default: all)")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "models.md")
+    args = parser.parse_args(argv)
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("WANDB_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+    os.chdir(ROOT)  # the recipe's path is the repository's
+    results, tokenizer = {}, debug_tokenizer()
+    for family in args.families.split(","):
+        results[family] = {}
+        for batching in BATCHINGS:
+            cell, seconds = results[family][batching] = run_case(family, batching, tokenizer)
+            print(f"{family:<18} {batching:<7} {seconds:5.1f} s  {cell}", flush=True)
+    args.output.write_text(header() + "\n" + table(results))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
