@@ -1,4 +1,4 @@
-"""The exactness table of the README: applied gradient vs the float64 per-sequence reference, ours and Trainer's.
+"""The exactness table of docs/exactness.md: applied gradient vs the float64 per-sequence reference, ours and Trainer's.
 
     OMP_NUM_THREADS=2 python scripts/exactness.py
 

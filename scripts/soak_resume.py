@@ -10,9 +10,10 @@ per-step logs (loss, grad_norm, learning rate, label tokens, epoch, skip counter
 chain of runs in a fresh folder, each started with the same command and train.resume_from=auto: once a run has
 written a checkpoint of its own, it is stopped: SIGKILL to its process group after a random delay (mid-window,
 mid-step, mid-save or between) or just after a checkpoint starts being written (mid-save); SIGTERM after a random delay
-(the run must save and exit 0); with two ranks, SIGKILL to rank 1 alone (rank 0 must name it and exit). A stop counts
-as resumed identically when the run after it started from the newest complete checkpoint and every checkpoint it wrote
-(and the final model, if it finished) equals the reference's. Exit code 0 only when all stops resumed identically.
+(the run must save and exit 143; torchrun: 1); with two ranks, SIGKILL to rank 1 alone (rank 0 must name it and
+exit). A stop counts as resumed identically when the run after it started from the newest complete checkpoint and
+every checkpoint it wrote (and the final model, if it finished) equals the reference's. Exit code 0 only when all stops
+resumed identically.
 """
 
 from __future__ import annotations

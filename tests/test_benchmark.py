@@ -1,5 +1,5 @@
 """scripts/benchmark.py end to end on a tiny model: every arm runs in its own process and the JSON holds what the
-README table needs.
+benchmark table (docs/benchmarks.md) needs.
 
 A smoke test only: no timing is asserted (speed targets are the benchmark's to report, on a quiet machine).
 """

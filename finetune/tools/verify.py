@@ -25,7 +25,7 @@ a recipe error:
   normalization bug moves them far (a mean of micro-batch means: each micro-batch weighted by the window's targets
   over accumulation × its own; DDP scaling: W or 1/W; accumulation divided twice: 1/K).
 
-The figures measured on the shipped recipes are in the README ("How exact").
+The figures measured on the shipped recipes are in docs/exactness.md.
 
 Changed for the check, none of which can change the gradient: output in a temporary directory (removed after), no
 checkpoints, W&B off, no resume, no evaluation (rows an eval.fraction holds out stay out of training all the same),
