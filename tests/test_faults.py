@@ -383,7 +383,7 @@ def test_the_fingerprint_covers_every_row_and_not_the_chunking():
     from finetune.training.resume_checks import data_fingerprint
 
     rows = {
-        "input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(300)],
+        "input_ids": [list(range(k % 7, k % 7 + 9)) for k in range(600)],
         "labels": [[-100] * 3 + list(range(6)) for _ in range(600)],
     }
     whole = datasets.Dataset.from_dict(rows)
