@@ -4,8 +4,9 @@ one error line, exit 2, nothing written. Packed rows under an attention other th
 sequences run alone: gpt-oss builds its masks without the position_ids, so its packed rows would attend across
 sequences, and packing it is one error line; a Llama on eager packs exactly."""
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
+from finetune.testing.families import family_folder
 from tests.data_files import smollm2_folder
 from tests.launch import call
 
@@ -13,27 +14,8 @@ DEBUG = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "lo
 
 
 def gpt_oss_folder(tmp_path):
-    """A tiny gpt-oss config at the debug recipe's size and SmolLM2's tokenizer (the recipe builds the model)."""
-    folder = tmp_path / "gpt-oss"
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
-    AutoConfig.for_model(
-        "gpt_oss",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=16,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-    ).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    """gpt-oss's tiny config of the family matrix and SmolLM2's tokenizer (the debug recipe builds the model)."""
+    return family_folder(tmp_path, "gpt_oss", AutoTokenizer.from_pretrained(str(smollm2_folder())))
 
 
 def test_auto_takes_eager_for_a_model_without_sdpa_and_says_so(tmp_path, capfd):

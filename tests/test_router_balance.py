@@ -21,10 +21,10 @@ from tests.launch import call, forked_ranks
 COEFFICIENT = 0.5  # large enough that a dropped or K-times balancing loss moves the router by far more than rounding
 
 
-def tiny_qwen3_moe(seed: int = 0, router_loss: bool = True) -> Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
+def moe_config(vocab_size: int, router_loss: bool = True, **extra) -> Qwen3MoeConfig:
+    """A tiny Qwen3-MoE: 2 layers of 4 experts, 2 per token, the router balancing loss on (or off)."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         moe_intermediate_size=16,
@@ -34,12 +34,15 @@ def tiny_qwen3_moe(seed: int = 0, router_loss: bool = True) -> Qwen3MoeForCausal
         head_dim=8,
         num_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=64,
         output_router_logits=router_loss,
         router_aux_loss_coef=COEFFICIENT,
-        pad_token_id=0,
+        **extra,
     )
-    return Qwen3MoeForCausalLM(config)
+
+
+def tiny_qwen3_moe(seed: int = 0, router_loss: bool = True) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(moe_config(VOCAB, router_loss, max_position_embeddings=64, pad_token_id=0))
 
 
 def balance_gradient(model, micro_batches: list[list[dict]]) -> dict[str, torch.Tensor]:
@@ -154,30 +157,14 @@ def test_a_model_without_the_router_loss_trains_on_the_cross_entropy_alone(tmp_p
 
 
 def moe_folder(tmp_path) -> Path:
-    """A tiny Qwen3-MoE with its router loss on and SmolLM2's tokenizer, saved as a hub model's folder is."""
+    """A tiny Qwen3-MoE's config with its router loss on and SmolLM2's tokenizer, as a hub model's folder holds them
+    (the debug recipe builds the model from the config: model.from_config)."""
     folder = tmp_path / "tiny-qwen3-moe"
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        output_router_logits=True,
-        router_aux_loss_coef=COEFFICIENT,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    moe_config(len(tokenizer), max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, **ids).save_pretrained(
+        folder
     )
-    Qwen3MoeForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
