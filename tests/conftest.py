@@ -30,6 +30,13 @@ def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
 from tests.budget import pytest_addoption, pytest_configure, pytest_runtest_makereport  # noqa: E402, F401
 
 
+def pytest_sessionstart(session):
+    """Each pytest-xdist worker imports the training stack once, before its first test: torch, transformers' Trainer,
+    accelerate, peft and datasets take 10-15 s to import on two cores, which the budget (tests/budget.py) would
+    otherwise charge to whichever test of the worker trains first."""
+    import finetune.assemble  # noqa: F401
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Every test runs holding its share of the machine's cores; one whose ranks need them all (forked ranks, a
