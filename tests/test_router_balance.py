@@ -84,6 +84,21 @@ def test_the_balancing_loss_is_kept_exactly_under_accumulation(tmp_path):
         assert relative_error(applied, twice) > 1e-3
 
 
+def window_router_logits(model, micro_batches: list[list[dict]]):
+    """(per layer, every micro-batch's router logits concatenated; their masks concatenated; each micro-batch's own
+    aux_loss), each micro-batch as the collator pads it."""
+    layers, masks, losses = None, [], []
+    for rows in micro_batches:
+        batch = RecordingCollator()(rows)
+        outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        layers = [[] for _ in outputs.router_logits] if layers is None else layers
+        for layer, logits in zip(layers, outputs.router_logits):
+            layer.append(logits)
+        masks.append(batch["attention_mask"].reshape(-1))
+        losses.append(outputs.aux_loss)
+    return tuple(torch.cat(layer) for layer in layers), torch.cat(masks), losses
+
+
 def window_balance_gradient(model, micro_batches: list[list[dict]]) -> dict[str, torch.Tensor]:
     """float64 gradient of the coefficient × transformers' own balancing loss over the whole window at once: every
     micro-batch's router logits and masks concatenated into one call of its load_balancing_loss_func."""
@@ -94,19 +109,9 @@ def window_balance_gradient(model, micro_batches: list[list[dict]]) -> dict[str,
     ref.train()
     silence_dropout(ref)
     ref.zero_grad(set_to_none=True)
-    layers, masks = None, []
-    for rows in micro_batches:
-        batch = RecordingCollator()(rows)
-        outputs = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        layers = [[] for _ in outputs.router_logits] if layers is None else layers
-        for layer, logits in zip(layers, outputs.router_logits):
-            layer.append(logits)
-        masks.append(batch["attention_mask"].reshape(-1))
-    gate_logits = tuple(torch.cat(layer) for layer in layers)
+    gate_logits, mask, _ = window_router_logits(ref, micro_batches)
     config = ref.config
-    loss = load_balancing_loss_func(
-        gate_logits, config.num_experts, config.num_experts_per_tok, torch.cat(masks).unsqueeze(0)
-    )
+    loss = load_balancing_loss_func(gate_logits, config.num_experts, config.num_experts_per_tok, mask.unsqueeze(0))
     (COEFFICIENT * loss).backward()
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in ref.named_parameters()}
 
@@ -219,25 +224,15 @@ def window_figures(model, micro_batches: list[list[dict]], balance: str) -> tupl
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
-    layers, masks, losses = None, [], []
     with torch.no_grad():
-        for rows in micro_batches:
-            batch = RecordingCollator()(rows)
-            outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            layers = [[] for _ in outputs.router_logits] if layers is None else layers
-            for layer, logits in zip(layers, outputs.router_logits):
-                layer.append(logits)
-            masks.append(batch["attention_mask"].reshape(-1))
-            losses.append(float(outputs.aux_loss))
-    mask = torch.cat(masks)
-    gate_logits = tuple(torch.cat(layer) for layer in layers)
+        gate_logits, mask, losses = window_router_logits(model, micro_batches)
     whole = float(load_balancing_loss_func(gate_logits, experts, top_k, mask.unsqueeze(0)))
     loads = []
     for logits in gate_logits:
         chosen = torch.topk(logits, top_k, dim=-1).indices[mask.bool()].reshape(-1)
         counts = torch.bincount(chosen, minlength=experts).double()
         loads.append(float(counts.max() / counts.mean()))
-    return COEFFICIENT * (whole if balance == "window" else sum(losses) / len(losses)), loads
+    return COEFFICIENT * (whole if balance == "window" else float(sum(losses)) / len(losses)), loads
 
 
 @pytest.mark.parametrize("balance", ["micro", "window"])

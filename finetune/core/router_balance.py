@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from finetune.core.heads import balance_coefficient
+
 
 def experts_of(model) -> tuple[int, int] | None:
     """(experts, experts per token) as the model's forward passes them to its balancing loss; None where unknown."""
@@ -31,8 +33,8 @@ def has_router_loss(model) -> bool:
     """Whether the model's forward adds a router balancing loss: a mixture of experts with output_router_logits on
     and a router_aux_loss_coef, whose expert counts are known."""
     config = getattr(model, "config", None)
-    coefficient = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
-    return bool(getattr(config, "output_router_logits", False)) and coefficient is not None and bool(experts_of(model))
+    on = bool(getattr(config, "output_router_logits", False))
+    return on and balance_coefficient(model) is not None and experts_of(model) is not None
 
 
 def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -44,21 +46,18 @@ def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> tor
 def routing_counts(router_logits: tuple, attention_mask: torch.Tensor | None, experts: int, top_k: int) -> torch.Tensor:
     """[experts + 1] float64: the top-k slots each expert got over every layer's unmasked rows, then the rows."""
     mask = _rows_mask(router_logits, attention_mask)
-    counts = torch.zeros(experts + 1, dtype=torch.float64, device=router_logits[0].device)
-    for layer in router_logits:
-        chosen = torch.topk(torch.softmax(layer.float(), dim=-1), top_k, dim=-1).indices.reshape(-1)
-        weights = torch.ones_like(chosen, dtype=torch.float64) if mask is None else mask.repeat_interleave(top_k)
-        counts[:experts].scatter_add_(0, chosen, weights.double())
-        counts[experts] += layer.shape[0] if mask is None else mask.sum().double()
-    return counts
+    rows = sum(layer.shape[0] for layer in router_logits) if mask is None else len(router_logits) * mask.sum()
+    slots = layer_counts(router_logits, attention_mask, experts, top_k).sum(dim=0)
+    return torch.cat([slots, slots.new_tensor([float(rows)]) if mask is None else rows.double().reshape(1)])
 
 
 def layer_counts(router_logits: tuple, attention_mask: torch.Tensor | None, experts: int, top_k: int) -> torch.Tensor:
-    """[layers, experts] float64: the top-k slots each expert got in each layer over the unmasked rows."""
+    """[layers, experts] float64: the top-k slots each expert got in each layer over the unmasked rows, chosen as
+    transformers' load_balancing_loss_func chooses them (the top-k of the router probabilities)."""
     mask = _rows_mask(router_logits, attention_mask)
     counts = torch.zeros(len(router_logits), experts, dtype=torch.float64, device=router_logits[0].device)
     for layer, logits in enumerate(router_logits):
-        chosen = torch.topk(logits.detach().float(), top_k, dim=-1).indices.reshape(-1)
+        chosen = torch.topk(torch.softmax(logits.detach().float(), dim=-1), top_k, dim=-1).indices.reshape(-1)
         weights = torch.ones_like(chosen, dtype=torch.float64) if mask is None else mask.repeat_interleave(top_k)
         counts[layer].scatter_add_(0, chosen, weights.double())
     return counts

@@ -49,13 +49,15 @@ def probe_error(model) -> str | None:
     finally:
         text._attn_implementation = "sdpa"
         model.train(training)
-    reference = logits["sdpa"]
+    difference = logits_difference(model, logits[NAME], logits["sdpa"])
+    return None if difference is None else f"its logits differ from sdpa's by {difference:.3g} on a packed probe row"
+
+
+def logits_difference(model, logits: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """The largest difference of `logits` from `reference` where it is beyond rounding (None: the same)."""
     tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2  # 16-bit: rounding of its own
-    difference = float((logits[NAME] - reference).abs().max())
-    scale = max(float(reference.abs().max()), 1.0)
-    if not difference <= tolerance * scale:
-        return f"its logits differ from sdpa's by {difference:.3g} on a packed probe row"
-    return None
+    difference = float((logits - reference).abs().max())
+    return None if difference <= tolerance * max(float(reference.abs().max()), 1.0) else difference
 
 
 def packed_row_error(model) -> str | None:
@@ -79,9 +81,9 @@ def packed_row_error(model) -> str | None:
         return f"the packed probe row cannot run ({type(e).__name__}: {first_line(e)})"
     finally:
         model.train(training)
-    reference = torch.cat(alone, dim=1)
-    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
-    difference = float((packed - reference).abs().max())
-    if not difference <= tolerance * max(float(reference.abs().max()), 1.0):
-        return f"a packed probe row's logits differ from its sequences' run alone by {difference:.3g}"
-    return None
+    difference = logits_difference(model, packed, torch.cat(alone, dim=1))
+    return (
+        None
+        if difference is None
+        else f"a packed probe row's logits differ from its sequences' run alone by {difference:.3g}"
+    )
