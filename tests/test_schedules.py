@@ -185,9 +185,6 @@ def logged(output_dir):
     return state, [e["learning_rate"] for e in steps], [e["step"] for e in steps]
 
 
-# 6.5 s in a fresh worker; 17-23 s where it runs in the default tier (two fresh-clone runs over its 20 s budget, the
-# other worker waiting on the cores' lock meanwhile: the slowdown is this worker's, its cause not found yet)
-@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.distributed
 def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_step(tmp_path, capfd):
@@ -220,7 +217,6 @@ def test_onecycle_on_two_cpu_ranks_with_accumulation_steps_once_per_optimizer_st
     assert_close_all(lrs, torch_onecycle_lrs(8, 2e-3, ScheduleConfig(name="onecycle", pct_start=0.3)))
 
 
-@pytest.mark.slow  # 7.3 s in a fresh worker; 28.7 s in that same place of the default tier (see the test above)
 @pytest.mark.e2e
 def test_warmup_cosine_with_accumulation_through_the_script(tmp_path, capfd):
     out = tmp_path / "one"

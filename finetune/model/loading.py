@@ -5,6 +5,7 @@ model folder in the cache (`cached_folder`: built under a file lock, complete or
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import shutil
 import tempfile
@@ -35,12 +36,28 @@ def resolve_source(name_or_path: str) -> str:
     return str(Path(spec.origin).parent)
 
 
-def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool = False) -> Path:
-    """Convert a GGUF once into a plain safetensors model folder (with its tokenizer) in the cache; return it.
+def gguf_identity(name_or_path: str, source: str, gguf_file: str) -> str:
+    """What names a GGUF's conversion in the cache: a package's name and version (a fresh virtual environment holds
+    the same file at another path), a local file's resolved path, size and modification time (a file replaced in
+    place is converted again), or a hub id as given."""
+    local = Path(source) / gguf_file
+    if not local.is_file():
+        return f"{source}|{gguf_file}"
+    status = local.stat()
+    if name_or_path.startswith("pkg:"):
+        package = name_or_path[4:]
+        return f"{package}=={importlib.metadata.version(package)}|{gguf_file}|{status.st_size}"
+    return f"{local.resolve()}|{status.st_size}|{status.st_mtime_ns}"
+
+
+def plain_folder_from_gguf(name_or_path: str, gguf_file: str, trust_remote_code: bool = False) -> Path:
+    """Convert the GGUF `gguf_file` of `name_or_path` (a hub id, a folder, `pkg:PACKAGE`) once into a plain
+    safetensors model folder (with its tokenizer) in the cache; return it.
 
     transformers dequantizes a GGUF to float32 but flags the model as quantized, so Trainer and save_pretrained
     refuse it; a fresh model built from the config and given the dequantized weights is a plain model.
     """
+    source = resolve_source(name_or_path)
     local = Path(source) / gguf_file
     if Path(source).is_dir() and not local.is_file():
         raise RecipeError(f"model.gguf_file={gguf_file}: no such file in {source}")
@@ -48,7 +65,6 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
         with open(local, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise RecipeError(f"model.gguf_file={gguf_file}: {local} is not a GGUF file (no GGUF magic bytes)")
-    stamp = f"{source}|{gguf_file}|{local.stat().st_size if local.is_file() else ''}"
 
     def convert(scratch: Path) -> None:
         print(f"converting {gguf_file} once into a plain model folder in {cache_dir() / 'models'}", flush=True)
@@ -68,7 +84,7 @@ def plain_folder_from_gguf(source: str, gguf_file: str, trust_remote_code: bool 
         plain.save_pretrained(scratch)  # safetensors
         tokenizer.save_pretrained(scratch)
 
-    return cached_folder(Path(gguf_file).stem, stamp, convert)
+    return cached_folder(Path(gguf_file).stem, gguf_identity(name_or_path, source, gguf_file), convert)
 
 
 def cached_folder(name: str, stamp: str, build) -> Path:
@@ -93,7 +109,7 @@ def model_folder(cfg: ModelConfig) -> str:
     GGUF."""
     source = resolve_source(cfg.name_or_path)
     if cfg.gguf_file:
-        return str(plain_folder_from_gguf(source, cfg.gguf_file, cfg.trust_remote_code))
+        return str(plain_folder_from_gguf(cfg.name_or_path, cfg.gguf_file, cfg.trust_remote_code))
     check_folder(cfg, source)
     return source
 
