@@ -21,7 +21,8 @@ import torch
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import unwrap_peft_model
 
-from finetune.core.router_balance import has_router_loss
+from finetune.core.heads import unplaced_loss_keys
+from finetune.core.router_balance import config_router_loss, has_router_loss
 from finetune.data import batching, mixture, training_set
 from finetune.data.chat_templates import use_chat_template
 from finetune.data.image_inputs import ImageInputs
@@ -74,7 +75,7 @@ def build(
     plan = plan if plan is not None else resolve_plan(cfg, world_size())
     check_machine(cfg.train, cfg.optim, cfg.model, cfg.data, plan)
     reporting.configure_wandb(cfg.log, cfg.train)
-    folder, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, plan)
+    folder, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, cfg.train, plan)
     data = load_data(cfg.data, cfg.eval, cfg.train.seed, plan, tokenizer, rows, evaluate)  # a bad row fails in seconds
     total_steps = optimizer_steps(cfg.train, cfg.data, cfg.optim, cfg.schedule, plan, data.batches)
     args = training_arguments(  # before the model
@@ -112,7 +113,7 @@ def recipe_options(
         data_order_change=train.resume_data_order_change,
         merge_lora=model.lora.merge,
         activation_offloading=train.activation_offloading,
-        moe_balance=train.moe_balance,
+        moe_balance="micro" if train.moe_balance == "auto" else train.moe_balance,
     )
 
 
@@ -150,13 +151,38 @@ def check_machine(train: TrainConfig, optim: OptimConfig, model: ModelConfig, da
         reporting.main_print(f"warning: {warning}")
 
 
-def load_tokenizer(model: ModelConfig, data: DataConfig, plan: RunPlan):
+def check_moe_balance(train: TrainConfig, model_name: str, router_loss: bool) -> None:
+    """train.moe_balance set (micro or window) for a model that adds no router balancing loss: one line."""
+    if train.moe_balance != "auto" and not router_loss:
+        raise RecipeError(
+            f"train.moe_balance={train.moe_balance}: {model_name} adds no router balancing loss (not a mixture of "
+            "experts, or its config's output_router_logits is off); remove the key (auto balances where there is "
+            "a loss to balance)"
+        )
+
+
+def check_config(model: ModelConfig, train: TrainConfig, plan: RunPlan, config) -> None:
+    """What the model's config tells before its weights load: a loss term its forward adds that the exact token mean
+    cannot place, train.moe_balance without a router loss, packed rows its layers would mix."""
+    if terms := unplaced_loss_keys(config):
+        raise RecipeError(
+            f"model.name_or_path={model.name_or_path}: its config's {', '.join(terms)} adds a loss term to its "
+            "forward's loss that this trainer does not compute (the exact token mean would drop it); set it to 0 in "
+            "the model folder's config.json (or model.config_overrides with model.from_config=true) to train without it"
+        )
+    check_moe_balance(train, f"model.name_or_path={model.name_or_path}", config_router_loss(config))
+    if plan.packs:
+        check_packed_mixers(model, plan, config)
+
+
+def load_tokenizer(model: ModelConfig, data: DataConfig, train: TrainConfig, plan: RunPlan):
     """(the model's folder, the kind of rows it reads, its tokenizer or processor): a GGUF is converted once into a
-    plain folder in the cache; LoRA keys and data.chat_template are checked against the model, before its weights."""
+    plain folder in the cache; packed rows, train.moe_balance, LoRA keys and data.chat_template are checked against
+    the model, before its weights."""
     folder = loading.model_folder(model)
     vision = vlm.is_vlm(model, data, plan, folder)
-    if plan.packs and (config := loading.model_config(model, folder)) is not None:  # before any weight loads
-        check_packed_mixers(model, plan, config)
+    if (config := loading.model_config(model, folder)) is not None:  # before any weight loads
+        check_config(model, train, plan, config)
     rows = image_text_rows(ImageInputs(**vlm.forward_image_inputs(model, folder))) if vision else TEXT_ROWS
     check_lora(model, folder, vision)  # model.lora.merge / target_modules against the model, before loading it
     tokenizer = vlm.load_processor(model, folder) if vision else loading.load_tokenizer(model, folder)
@@ -223,11 +249,7 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
         reporting.main_print(layer_kernels.use_liger_kernels(layer_kernels.base_model(model)))
-    if train.moe_balance == "window" and not has_router_loss(unwrap_peft_model(model)):
-        raise RecipeError(
-            f"train.moe_balance=window: {type(unwrap_peft_model(model)).__name__} adds no router balancing loss (not "
-            "a mixture of experts, or its config's output_router_logits is off); remove the key"
-        )
+    check_moe_balance(train, type(unwrap_peft_model(model)).__name__, has_router_loss(unwrap_peft_model(model)))
     if line := loading.attention_line(model_cfg, unwrap_peft_model(model)):
         reporting.main_print(line)
     if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits

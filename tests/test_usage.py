@@ -133,7 +133,7 @@ def test_dry_run_counts_epochs_as_build_does(capsys):
     argv = ["recipe=recipes/debug.yaml", "train.max_steps=-1", "train.epochs=2", "schedule.warmup_ratio=0.2"]
     cfg, _, plan_lines = dry_run_page(capsys, argv)
     plan = resolve_plan(cfg, 1)
-    _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, plan)
+    _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, cfg.train, plan)
     batches = load_data(cfg.data, cfg.eval, cfg.train.seed, plan, tokenizer, rows, evaluate=False).batches
     steps = batching.count_optimizer_steps(cfg.train, batches, 1, plan.accumulation)
     assert f"; {steps} optimizer steps (train.epochs=2, counted from the data)" in plan_lines[0]

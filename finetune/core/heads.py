@@ -187,6 +187,27 @@ def balance_coefficient(model: torch.nn.Module) -> float | None:
     return None if coefficient is None else float(coefficient)
 
 
+# config keys of loss terms a model's own forward adds to `loss` (with labels) that this trainer does not compute:
+# Bamba's z-loss (the mean over every position, padding included, of logsumexp(logits)²)
+UNPLACED_LOSS_KEYS = ("z_loss_coefficient",)
+
+
+def unplaced_loss_keys(config) -> list[str]:
+    """`key=value` of each loss term `config` turns on that the model's forward adds and this trainer cannot place
+    in the window's token mean; [] where none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [f"{key}={getattr(text, key)}" for key in UNPLACED_LOSS_KEYS if getattr(text, key, None)]
+
+
+def unplaced_loss_fields(outputs: Any) -> list[str]:
+    """The names of the loss tensors a model returned beside `loss` and the router balancing `aux_loss` (Switch
+    Transformers' encoder_z_loss, decoder_aux_loss, …): terms its forward adds to `loss` that this trainer cannot
+    place."""
+    items = outputs.items() if isinstance(outputs, Mapping) else ()
+    placed = ("loss", "aux_loss")
+    return [k for k, v in items if k.endswith("loss") and k not in placed and isinstance(v, torch.Tensor)]
+
+
 def aux_loss_of(outputs: Any) -> torch.Tensor | None:
     """The router balancing loss a mixture of experts returned beside its logits (`aux_loss`), or None."""
     aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else getattr(outputs, "aux_loss", None)

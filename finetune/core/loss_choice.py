@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from transformers import Trainer
 
-from finetune.core.heads import loss_kind, loss_type_of
+from finetune.core.heads import loss_kind, loss_type_of, unplaced_loss_keys
 
 EXACT_LOSS_TYPES = (None, "nll")  # TRL's SFTConfig.loss_type values whose loss is the token mean ours computes
 
@@ -66,6 +66,8 @@ def choose_loss(trainer_cls: type, ours: type, model, args) -> LossChoice:
             f"this trainer does not compute; it is trained and evaluated by {where} under transformers.Trainer's "
             "own rules, unchanged",
         )
+    if terms := unplaced_loss_keys(getattr(model, "config", None)):
+        return LossChoice(None, fallback=unplaced_loss_line(type(model).__name__, terms))
     note = None
     if base is not None:
         note = (
@@ -104,6 +106,16 @@ def misaligned_logits_line(model_name: str, kind: str, logits_shape: tuple | Non
         "+ (classes,) line up with the labels the collator made; it is trained and evaluated by "
         "transformers.Trainer's own loss from this micro-batch on, unchanged (its own forward's loss), not the "
         "exact token mean"
+    )
+
+
+def unplaced_loss_line(model_name: str, terms: list[str]) -> str:
+    """A model whose forward adds loss terms this trainer does not compute (named by their config keys or output
+    fields): Trainer's own loss, which keeps them."""
+    return (
+        f"TokenNormTrainer: {model_name} adds {', '.join(terms)} to its loss, terms this trainer does not compute; it "
+        "is trained and evaluated by transformers.Trainer's own loss, unchanged (its own forward's loss, those terms "
+        "included), not the exact token mean"
     )
 
 

@@ -37,6 +37,15 @@ def has_router_loss(model) -> bool:
     return on and balance_coefficient(model) is not None and experts_of(model) is not None
 
 
+def config_router_loss(config) -> bool:
+    """Whether a model built from `config` adds a router balancing loss (output_router_logits on and a
+    router_aux_loss_coef), read before its weights load."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (
+        bool(getattr(text, "output_router_logits", False)) and getattr(text, "router_aux_loss_coef", None) is not None
+    )
+
+
 def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     if attention_mask is None:
         return None

@@ -19,7 +19,7 @@ from finetune.core import token_mean
 class StepVerdict:
     """One optimizer step's facts and the verdict drawn from them.
 
-    - `open_window(count)` at the window's start (`None`: the window could not be counted);
+    - `open_window(count, batches)` at the window's start (`None`: the window could not be counted);
     - `begin_micro_batch()` / `loss_is_ours()` around each micro-batch's loss: whether `compute_loss` divided it by the
       window's count (then nothing divides again), or it came from elsewhere (then `Trainer`'s own rule applies);
     - `note_loss(loss)` after each backward, `take_window_finite()` once per step: the window's losses finite;
@@ -30,15 +30,19 @@ class StepVerdict:
     def __init__(self) -> None:
         self.window_label_tokens: int | None = None
         self.window_micro_batches = 1
+        self.window_batches: list | None = None  # the window's micro-batches, as this trainer counted them
+        self.trainers_count = None  # Trainer's own count of them, made where its loss takes over inside the window
         self.window_routing: torch.Tensor | None = None  # moe_balance="window": the window's expert counts and rows
         self.foreign_losses = 0  # micro-batches of this window whose loss did not come from the window share
         self.micro_batch_loss_ours = False
         self.window_finite: bool | torch.Tensor = True  # a device tensor while the window runs: no host sync
         self.nonfinite = False  # this step's verdict: a non-finite loss or gradient, no update
 
-    def open_window(self, window_label_tokens: int | None, micro_batches: int = 1) -> None:
+    def open_window(self, window_label_tokens: int | None, batches: list | None = None) -> None:
         self.window_label_tokens, self.foreign_losses = window_label_tokens, 0
-        self.window_micro_batches = micro_batches  # on this rank: what a per-micro-batch term is averaged over
+        # on this rank: what a per-micro-batch term is averaged over
+        self.window_micro_batches = len(batches) if batches else 1
+        self.window_batches, self.trainers_count = batches, None
 
     def begin_micro_batch(self) -> None:
         self.micro_batch_loss_ours = False

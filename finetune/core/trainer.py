@@ -51,6 +51,7 @@ from finetune.core.heads import (
     logits_of,
     plain_head,
     problem_type_of,
+    unplaced_loss_fields,
 )
 from finetune.core.loss import (
     IGNORE_INDEX,
@@ -71,6 +72,7 @@ from finetune.core.loss_choice import (
     eval_loss_not_exact_line,
     foreign_loss_line,
     misaligned_logits_line,
+    unplaced_loss_line,
 )
 from finetune.core.meter import (
     TIMING_KEYS,
@@ -212,6 +214,7 @@ class TokenNormTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         if self.loss_kind is None:
+            self.verdict.window_batches = None  # Trainer's own count, from Trainer's own get_batch_samples
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batch_samples = []
         for _ in range(num_batches):
@@ -231,7 +234,7 @@ class TokenNormTrainer(Trainer):
             reduced = self.accelerator.reduce(torch.tensor(counts, dtype=torch.int64, device=device), reduction="sum")
             counts = (reduced // self.get_tp_size()).tolist()
         self.meter.add(counts)
-        self.verdict.open_window(counts[0], len(batch_samples))
+        self.verdict.open_window(counts[0], batch_samples)
         self.router_meter.open_window()
         if self.moe_balance == "window":
             self.verdict.window_routing = self._window_routing(batch_samples)
@@ -262,7 +265,7 @@ class TokenNormTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_kind is None or not isinstance(inputs, Mapping) or "labels" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self._trainers_loss(model, inputs, return_outputs, num_items_in_batch)
         targets = targets_of(inputs, self.loss_kind)
         if self.compute_loss_func is not None:
             return self._loss_of_func(model, inputs, targets, return_outputs, num_items_in_batch)
@@ -270,20 +273,43 @@ class TokenNormTrainer(Trainer):
         outputs, loss_sum, label_tokens = self._summed_loss(model, inputs, targets, keep_logits)
         if loss_sum is None:  # its logits do not line up with the collator's labels: Trainer's own loss from now on
             self._defer_to_trainer(model, outputs, targets)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self._trainers_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.evaluating() or num_items_in_batch is None:  # this batch's own token mean (evaluation, a direct call)
             loss = token_mean.batch_mean(loss_sum, label_tokens)
         else:  # num_items_in_batch: the window's label tokens, from get_batch_samples (finetune/core/token_mean.py)
             loss = token_mean.window_loss(loss_sum, num_items_in_batch, self._data_parallel_size())
-            if (aux := aux_loss_of(outputs)) is not None:  # a mixture of experts' router balancing loss, kept
-                coefficient = balance_coefficient(self.accelerator.unwrap_model(model))
-                if coefficient is None:  # a loss the model adds that this trainer cannot weigh: Trainer's own
-                    self._fall_back(aux_loss_line(type(self.accelerator.unwrap_model(model)).__name__))
-                    self.loss_kind = None  # every hook now takes Trainer's own path
-                    return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-                loss = loss + self._balance_share(aux, coefficient, outputs, inputs)
+            if (added := self._added_terms(model, outputs, inputs)) is None:  # terms this trainer cannot place
+                self.loss_kind = None  # every hook now takes Trainer's own path
+                return self._trainers_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss = loss + added
             self.verdict.loss_is_ours()
         return (loss, outputs) if return_outputs else loss
+
+    def _trainers_loss(self, model, inputs, return_outputs: bool, num_items_in_batch):
+        """Trainer's own loss. Where it took over inside a window this trainer counted (a model found to add a term,
+        or to re-align its labels), the window's count is Trainer's own rule's too, so that the window trains as
+        Trainer trains it."""
+        window = self.verdict.window_batches
+        if self.loss_kind is None and window is not None and num_items_in_batch is not None:
+            if self.verdict.trainers_count is None:
+                device = getattr(num_items_in_batch, "device", self.args.device)
+                self.verdict.trainers_count = self._get_num_items_in_batch(window, device)
+            num_items_in_batch = self.verdict.trainers_count
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _added_terms(self, model, outputs, inputs: Mapping) -> torch.Tensor | float | None:
+        """What the model's own forward adds to the token mean: a mixture of experts' router balancing loss (its
+        share, kept), 0 where nothing, or None (one warning said) where it adds a term this trainer cannot place."""
+        name = type(self.accelerator.unwrap_model(model)).__name__
+        if fields := unplaced_loss_fields(outputs):
+            self._fall_back(unplaced_loss_line(name, fields))
+            return None
+        if (aux := aux_loss_of(outputs)) is None:
+            return 0.0
+        if (coefficient := balance_coefficient(self.accelerator.unwrap_model(model))) is None:
+            self._fall_back(aux_loss_line(name))  # a router loss without the weight the model gives it
+            return None
+        return self._balance_share(aux, coefficient, outputs, inputs)
 
     def _balance_share(self, aux: torch.Tensor, coefficient: float, outputs, inputs: Mapping) -> torch.Tensor:
         """This micro-batch's share of the router balancing loss: of the whole window's (moe_balance="window"), else

@@ -123,10 +123,12 @@ class TrainConfig:
         "skip", "stop", help="NaN/inf loss or gradients: skip the update (counted) or stop the run (exit 3)"
     )
     moe_balance: str = one_of(
+        "auto",
         "micro",
         "window",
         help="a mixture of experts' router balancing loss: each micro-batch's, averaged over the window (micro), or "
-        "the whole window's over all ranks (window: a no-grad forward of the window first)",
+        "the whole window's over all ranks (window: a no-grad forward of the window first); auto: micro where the "
+        "model's config turns the loss on, nothing to balance elsewhere",
     )
     gradient_checkpointing: bool = setting(False, help="recompute activations in backward: less memory, slower")
     activation_offloading: bool = setting(

@@ -30,7 +30,7 @@ def optimizer_steps(cfg: Config, plan: RunPlan) -> tuple[int, str]:
     from finetune.assemble import load_data, load_tokenizer
 
     with contextlib.redirect_stdout(sys.stderr):  # the data report lines
-        _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, plan)
+        _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, cfg.train, plan)
         batches = load_data(cfg.data, cfg.eval, cfg.train.seed, plan, tokenizer, rows, evaluate=False).batches
     steps = batching.count_optimizer_steps(cfg.train, batches, plan.ranks, plan.accumulation)
     return steps, f"train.epochs={cfg.train.epochs:g}, counted from the data"
