@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCHINGS = ("padded", "packed")
 VERDICT = re.compile(r"^verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\)", re.MULTILINE)
 STATE = re.compile(r"would carry the state of its (.+?) layers")
-CROSSING = re.compile(r"lets the sequences of a packed row attend to one another")
+CROSSING = re.compile(r"does not keep the sequences of a packed row apart: .*\(they attend to one another\)")
+CANNOT_RUN = re.compile(r"does not keep the sequences of a packed row apart: the packed probe row cannot run")
 COMMAND = "OMP_NUM_THREADS=1 .venv/bin/python scripts/family_matrix.py"
 
 
@@ -45,6 +46,8 @@ def outcome(code: int, out: str, err: str) -> str:
         reason = f"state of its {state.group(1)} layers would cross sequences" if state else errors[0][:120]
         if CROSSING.search(errors[0]):
             reason = "its attention lets a packed row's sequences see one another (the packed probe)"
+        elif CANNOT_RUN.search(errors[0]):
+            reason = "its attention cannot run a packed row (the packed probe)"
         return f"refused: {reason}"
     lines = [line for line in err.strip().splitlines() if line and not line.startswith(" ")]
     last = next((line for line in reversed(lines) if "Error" in line or "error" in line), "no verdict printed")

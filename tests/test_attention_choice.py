@@ -7,6 +7,7 @@ sequences, and packing it is one error line; a Llama on eager packs exactly."""
 from transformers import AutoTokenizer
 
 from finetune.testing.families import family_folder
+from finetune.tools import verify
 from tests.data_files import smollm2_folder
 from tests.launch import call
 
@@ -45,10 +46,11 @@ def test_packed_rows_whose_attention_crosses_sequences_are_refused_and_eager_lla
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
     assert errors[0].startswith(
-        "error: packed rows (data.batching or eval.batching=packed): GptOssForCausalLM with attention eager lets the "
-        "sequences of a packed row attend to one another (a packed probe row's logits differ from its sequences' run "
-        "alone by "
-    ) and errors[0].endswith("set data.batching (and eval.batching) to token_budget or padded"), errors[0]
+        "error: packed rows (data.batching or eval.batching=packed): GptOssForCausalLM with attention eager does not "
+        "keep the sequences of a packed row apart: a packed probe row's logits differ from its sequences' run alone by "
+    ) and errors[0].endswith(
+        "(they attend to one another); set data.batching (and eval.batching) to token_budget or padded"
+    ), errors[0]
     assert not any(out.rglob("*.safetensors"))
     eager = call(
         capfd,
@@ -62,3 +64,17 @@ def test_packed_rows_whose_attention_crosses_sequences_are_refused_and_eager_lla
     )
     assert eager.returncode == 0, eager.stderr[-3000:]
     assert "attention: eager (per-sequence packed attention replaces sdpa only)" in eager.stdout
+
+
+def test_packed_rows_an_attention_cannot_run_are_refused_in_one_line(tmp_path, capsys):
+    """DeepSeek-V3's latent attention with fewer key/value heads than heads (a config its checkpoints never ship):
+    transformers' sdpa path fails on a packed row's mask; the packed probe finds it before training, one line."""
+    folder = family_folder(tmp_path, "deepseek_v3", AutoTokenizer.from_pretrained(str(smollm2_folder())))
+    code = verify.main([*DEBUG, f"model.name_or_path={folder}", "model.gguf_file=null", "data.batching=packed"])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert errors[0].startswith(
+        "error: packed rows (data.batching or eval.batching=packed): DeepseekV3ForCausalLM with attention sdpa does "
+        "not keep the sequences of a packed row apart: the packed probe row cannot run (RuntimeError: "
+    ) and errors[0].endswith("set data.batching (and eval.batching) to token_budget or padded"), errors[0]

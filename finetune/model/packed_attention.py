@@ -236,22 +236,30 @@ def config_reason(config) -> str | None:
     return None
 
 
+def check_packed_row(model, attention: str) -> None:
+    """Refuse packed rows, in one line, where the model's own attention lets a packed row's sequences see one another
+    or cannot run one (the packed probe: its logits against each sequence run alone)."""
+    if why := packed_row_error(model):
+        raise RecipeError(
+            f"packed rows (data.batching or eval.batching=packed): {type(model).__name__} with attention {attention} "
+            f"does not keep the sequences of a packed row apart: {why}; set data.batching (and eval.batching) to "
+            "token_budget or padded"
+        )
+
+
 def use_for_packed_rows(model) -> str:
     """Switch a text model (a VLM: its language model) on `sdpa` to `packed_sdpa` where a probe shows the same logits;
     the start-up line."""
     text = model.config.get_text_config()
     current = text._attn_implementation
     if current != "sdpa":
-        if "flash" not in current and (why := packed_row_error(model)):  # flash kernels: varlen from position_ids
-            raise RecipeError(
-                f"packed rows (data.batching or eval.batching=packed): {type(model).__name__} with attention {current} "
-                f"lets the sequences of a packed row attend to one another ({why}); set data.batching (and "
-                "eval.batching) to token_budget or padded"
-            )
+        if "flash" not in current:  # flash kernels: varlen from position_ids
+            check_packed_row(model, current)
         return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
     attention = register()
     reason = config_reason(text) or probe_error(model)
-    if reason is not None:
+    if reason is not None:  # sdpa stays: its block-diagonal mask must keep the row's sequences apart
+        check_packed_row(model, current)
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
     text._attn_implementation = NAME
     if attention.varlen is None and torch.cuda.is_available():

@@ -85,5 +85,6 @@ def packed_row_error(model) -> str | None:
     return (
         None
         if difference is None
-        else f"a packed probe row's logits differ from its sequences' run alone by {difference:.3g}"
+        else f"a packed probe row's logits differ from its sequences' run alone by {difference:.3g} (they attend to "
+        "one another)"
     )

@@ -91,9 +91,9 @@ FAMILIES: dict[str, dict] = {
 
 # recipe keys a family needs on top of the debug recipe's (its config_overrides win over the folder's config)
 RECIPE_KEYS: dict[str, list[str]] = {
-    # multi-head latent attention: keys and values have every head (no grouping); the debug recipe's 2 key/value
-    # heads would make transformers' DeepseekV3Attention repeat them (its num_key_value_groups 2) wherever sdpa gets
-    # a mask, as packed rows do: a traceback, 8 key heads against 4 query heads
+    # multi-head latent attention: keys and values have every head (no grouping), as DeepSeek-V3's own config says;
+    # the debug recipe's 2 key/value heads would make transformers' DeepseekV3Attention repeat them (8 key heads
+    # against 4 query heads) wherever sdpa gets a mask, as packed rows do: refused by the packed probe
     "deepseek_v3": ["model.config_overrides.num_key_value_heads=4"],
 }
 DEBUG = ["recipe=recipes/debug.yaml", "data.limit=16", "data.max_length=64", "log.wandb_mode=disabled"]
@@ -136,7 +136,7 @@ def family_folder(parent: Path, family: str, tokenizer) -> Path:
 # (finetune/model/sequence_mixers.py), or an attention whose packed rows cross sequences (the packed probe,
 # finetune/model/packed_probe.py: gpt-oss builds its masks without the position_ids)
 STATE = r"data\.batching=packed would carry the state of its .+ layers .* set data\.batching=token_budget"
-CROSSING = r"lets the sequences of a packed row attend to one another .* to token_budget or padded"
+CROSSING = r"does not keep the sequences of a packed row apart: .*\(they attend to one another\).* token_budget"
 REFUSED = {
     **{(family, "packed"): STATE for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "bamba")},
     ("gpt_oss", "packed"): CROSSING,
