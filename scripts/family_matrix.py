@@ -23,11 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from finetune.testing.families import FAMILIES, RECIPE_KEYS, family_folder, verify_argv
+from finetune.testing.families import FAMILIES, RECIPE_KEYS, family_folder, two_rank_batching, verify_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
-BATCHINGS = ("padded", "packed")
+BATCHINGS = ("padded", "length_grouped", "packed")
+TWO_RANKS = "two ranks"
 VERDICT = re.compile(r"^verify: (PASS|FAIL): largest relative error (\S+) \(tolerance (\S+)\)", re.MULTILINE)
 STATE = re.compile(r"would carry the state of its (.+?) layers")
 CROSSING = re.compile(r"does not keep the sequences of a packed row apart: .*\(they attend to one another\)")
@@ -79,6 +80,21 @@ def run_case(family: str, batching: str, tokenizer) -> tuple[str, float]:
     return outcome(code, out.getvalue(), err.getvalue()), time.perf_counter() - start
 
 
+def run_two_ranks(family: str, tokenizer) -> tuple[str, float]:
+    """(the cell, seconds) for the family on two CPU ranks under `accelerate launch` (packed rows where the family
+    packs, else padded): the window gathered from both ranks against the float64 brute force."""
+    batching = two_rank_batching(family)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="family-matrix-") as scratch:
+        folder = family_folder(Path(scratch), family, tokenizer)
+        launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+        environ = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+        command = [*launch, "-m", "finetune.verify", *verify_argv(folder, family, batching)]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=environ)
+    cell = outcome(result.returncode, result.stdout, result.stderr)
+    return f"{batching}: {cell}", time.perf_counter() - start
+
+
 def notes(family: str) -> str:
     """What the family's tiny model exercises beyond a plain decoder, from its config kwargs and model class."""
     import transformers
@@ -121,7 +137,9 @@ def header() -> str:
         "transformers, as a tiny random model (finetune/testing/families.py: hidden 64, 2 layers, 4 heads, SmolLM2's "
         "tokenizer), trained one optimizer step of recipes/debug.yaml (16 rows of at most 64 tokens, micro-batch 4 × "
         "accumulation 2) through `finetune.verify`, which compares the applied gradient with the float64 brute force "
-        "(each sequence alone, unpadded; docs/exactness.md), with padded rows and with packed rows. A cell gives "
+        "(each sequence alone, unpadded; docs/exactness.md), with padded, length-grouped and packed rows in one "
+        "process, and on two CPU ranks under `accelerate launch` (packed rows where the family packs, else padded: "
+        "the window gathered from both ranks). A cell gives "
         "verify's verdict with the largest relative error and the tolerance it was held to, or `refused` with the "
         "reason of its one `error:` line: packed rows are refused for models whose layers carry state along the "
         "sequence (finetune/model/sequence_mixers.py), and for models whose attention lets a packed row's sequences "
@@ -129,7 +147,8 @@ def header() -> str:
         "is exact for them. "
         "Mixtures of experts run with their router balancing loss on where the family has one. "
         "tests/test_families.py asserts the same outcomes. Seconds: "
-        "each case's wall time in one process, one after another (the first includes the imports).\n\n"
+        "each case's wall time, one after another (the first includes the imports; a two-rank case includes its "
+        "launch).\n\n"
         f"Measured {shell('date', '-u', '+%F')} at commit `{shell('git', 'rev-parse', '--short', 'HEAD')}` on "
         f"{cpu_name()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), transformers "
         f"{transformers.__version__}, torch {torch.__version__}, Python {platform.python_version()}. Regenerate "
@@ -138,13 +157,15 @@ def header() -> str:
 
 
 def table(results: dict[str, dict[str, tuple[str, float]]]) -> str:
+    columns = (*BATCHINGS, TWO_RANKS)
     lines = [
-        "| family | padded | packed | seconds (padded / packed) | notes |",
-        "| --- | --- | --- | --- | --- |",
+        f"| family | {' | '.join(columns)} | seconds ({' / '.join(columns)}) | notes |",
+        "| --- " * (len(columns) + 3) + "|",
     ]
     for family, cells in results.items():
-        seconds = " / ".join(f"{cells[b][1]:.1f}" for b in BATCHINGS)
-        lines.append(f"| `{family}` | {cells['padded'][0]} | {cells['packed'][0]} | {seconds} | {notes(family)} |")
+        seconds = " / ".join(f"{cells[c][1]:.1f}" for c in columns)
+        verdicts = " | ".join(cells[c][0] for c in columns)
+        lines.append(f"| `{family}` | {verdicts} | {seconds} | {notes(family)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         results[family] = {}
         for batching in BATCHINGS:
             cell, seconds = results[family][batching] = run_case(family, batching, tokenizer)
-            print(f"{family:<18} {batching:<7} {seconds:5.1f} s  {cell}", flush=True)
+            print(f"{family:<18} {batching:<14} {seconds:5.1f} s  {cell}", flush=True)
+        cell, seconds = results[family][TWO_RANKS] = run_two_ranks(family, tokenizer)
+        print(f"{family:<18} {TWO_RANKS:<14} {seconds:5.1f} s  {cell}", flush=True)
     args.output.write_text(header() + "\n" + table(results))
     print(f"wrote {args.output}")
     return 0

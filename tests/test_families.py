@@ -1,8 +1,9 @@
 """The family matrix: a tiny random model of each decoder family transformers ships (finetune/testing/families.py),
 one optimizer step of the debug recipe checked by `finetune.verify` against the float64 brute force, padded and
-packed. Every case passes, mixtures of experts with their router balancing loss on, or (packed rows only) is refused
-in one line naming the batching that is exact: a family whose layers carry state along the sequence (linear
-attention, short convolutions, Mamba), or whose attention lets a packed row's sequences see one another (gpt-oss).
+packed (the default tier), length-grouped and on two CPU ranks (the slow tier: 21 more verify runs each). Every case
+passes, mixtures of experts with their router balancing loss on, or (packed rows only) is refused in one line naming
+the batching that is exact: a family whose layers carry state along the sequence (linear attention, short
+convolutions, Mamba), or whose attention lets a packed row's sequences see one another (gpt-oss).
 scripts/family_matrix.py writes the same cases' figures to docs/models.md."""
 
 import re
@@ -10,9 +11,10 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.testing.families import FAMILIES, REFUSED, family_folder, verify_argv
+from finetune.testing.families import FAMILIES, REFUSED, family_folder, two_rank_batching, verify_argv
 from finetune.tools import verify
 from tests.data_files import smollm2_folder
+from tests.launch import forked_ranks
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +34,30 @@ def test_verify_passes_or_packing_is_refused(family, batching, tokenizer, tmp_pa
         assert re.search(REFUSED[family, batching], errors[0]), errors[0]
     else:
         assert code == 0 and "verify: PASS" in out, (out + err)[-3000:]
+
+
+@pytest.mark.slow  # 21 more verify runs of 3-6 s: the default tier keeps padded and packed
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_passes_with_length_grouped_rows(family, tokenizer, tmp_path, capsys):
+    code = verify.main(verify_argv(family_folder(tmp_path, family, tokenizer), family, "length_grouped"))
+    out, err = capsys.readouterr()
+    assert code == 0 and "verify: PASS" in out, (out + err)[-3000:]
+
+
+def verify_passes(argv: list[str]) -> None:
+    assert verify.main(argv) == 0
+
+
+@pytest.mark.slow  # 21 two-rank runs of 6-10 s, each with the cores to itself
+@pytest.mark.e2e
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_passes_on_two_ranks(family, tokenizer, tmp_path, capfd):
+    """The window gathered from both ranks (packed rows where the family packs, else padded) against the float64
+    brute force: the ranks' counts and, for a mixture of experts, each rank's balancing loss weighed alike."""
+    argv = verify_argv(family_folder(tmp_path, family, tokenizer), family, two_rank_batching(family))
+    capfd.readouterr()
+    forked_ranks(verify_passes, argv, ACCELERATE_USE_CPU="true")
+    out = capfd.readouterr().out
+    assert "from 2 ranks" in out and "verify: PASS" in out, out[-3000:]

@@ -132,6 +132,11 @@ def family_folder(parent: Path, family: str, tokenizer) -> Path:
     return folder
 
 
+def two_rank_batching(family: str) -> str:
+    """The batching a family's two-rank case runs: packed rows where they are not refused, else padded."""
+    return "padded" if (family, "packed") in REFUSED else "packed"
+
+
 # (family, batching) → the pattern of the one error line that refuses it: layers that carry state along the sequence
 # (finetune/model/sequence_mixers.py), or an attention whose packed rows cross sequences (the packed probe,
 # finetune/model/packed_probe.py: gpt-oss builds its masks without the position_ids)
