@@ -3,9 +3,10 @@ MiniMax), short convolutions (LFM2) and Mamba mixers (Granite 4, Falcon-H1, Jamb
 
 In a packed row their state and convolution window run on from one sequence into the next unless the kernel is
 given the boundaries (flash-linear-attention's `cu_seqlens`, causal-conv1d's and mamba-ssm's `seq_idx`); transformers'
-torch paths either refuse packed rows with a traceback or silently mix the sequences. Until this project keeps them
-apart itself, packing such a model is refused in one line, from its config, before its weights load; padded rows
-(right padding, a mask) and token budgets are exact. Imports the recipe only.
+torch paths either refuse packed rows with a traceback or silently mix the sequences, and with the kernels installed
+it passes the bounds to the gated delta rule but not to the convolution before it (docs/batching.md). So packing such
+a model is refused in one line, from its config, before its weights load, on every device; padded rows (right
+padding, a mask) and token budgets are exact. Imports the recipe only.
 """
 
 from __future__ import annotations
