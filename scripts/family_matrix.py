@@ -23,7 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from finetune.testing.families import FAMILIES, RECIPE_KEYS, family_folder, two_rank_batching, verify_argv
+from finetune.testing.families import (
+    ADAPTERS,
+    FAMILIES,
+    RECIPE_KEYS,
+    family_folder,
+    two_rank_batching,
+    verify_argv,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,8 +71,9 @@ def debug_tokenizer():
     return load_tokenizer(model, model_folder(model))
 
 
-def run_case(family: str, batching: str, tokenizer) -> tuple[str, float]:
-    """(the cell, seconds) for one family and batching, verify run in this process on a fresh tiny model."""
+def run_case(family: str, batching: str, tokenizer, keys: tuple[str, ...] = ()) -> tuple[str, float]:
+    """(the cell, seconds) for one family and batching (and recipe `keys`), verify run in this process on a fresh
+    tiny model."""
     from finetune.tools import verify
 
     out, err = io.StringIO(), io.StringIO()
@@ -74,7 +82,7 @@ def run_case(family: str, batching: str, tokenizer) -> tuple[str, float]:
         folder = family_folder(Path(scratch), family, tokenizer)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = verify.main(verify_argv(folder, family, batching))
+                code = verify.main([*verify_argv(folder, family, batching), *keys])
             except Exception as e:  # the boundary keeps a bug's traceback; anything past it is still one cell
                 code, err = 70, io.StringIO(f"{type(e).__name__}: {e}")
     return outcome(code, out.getvalue(), err.getvalue()), time.perf_counter() - start
@@ -139,7 +147,9 @@ def header() -> str:
         "accumulation 2) through `finetune.verify`, which compares the applied gradient with the float64 brute force "
         "(each sequence alone, unpadded; docs/exactness.md), with padded, length-grouped and packed rows in one "
         "process, and on two CPU ranks under `accelerate launch` (packed rows where the family packs, else padded: "
-        "the window gathered from both ranks). A cell gives "
+        "the window gathered from both ranks), and with LoRA on every linear layer and QLoRA (the same over a 4-bit "
+        "NF4 base, the reference over the dequantized base; peft also adapts a mixture of experts' fused expert "
+        "weights and router, which bitsandbytes leaves unquantized) on the same rows as two ranks. A cell gives "
         "verify's verdict with the largest relative error and the tolerance it was held to, or `refused` with the "
         "reason of its one `error:` line: packed rows are refused for models whose layers carry state along the "
         "sequence (finetune/model/sequence_mixers.py), and for models whose attention lets a packed row's sequences "
@@ -157,7 +167,7 @@ def header() -> str:
 
 
 def table(results: dict[str, dict[str, tuple[str, float]]]) -> str:
-    columns = (*BATCHINGS, TWO_RANKS)
+    columns = (*BATCHINGS, TWO_RANKS, *ADAPTERS)
     lines = [
         f"| family | {' | '.join(columns)} | seconds ({' / '.join(columns)}) | notes |",
         "| --- " * (len(columns) + 3) + "|",
@@ -185,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{family:<18} {batching:<14} {seconds:5.1f} s  {cell}", flush=True)
         cell, seconds = results[family][TWO_RANKS] = run_two_ranks(family, tokenizer)
         print(f"{family:<18} {TWO_RANKS:<14} {seconds:5.1f} s  {cell}", flush=True)
+        for adapter, keys in ADAPTERS.items():
+            batching = two_rank_batching(family)
+            cell, seconds = run_case(family, batching, tokenizer, tuple(keys))
+            results[family][adapter] = f"{batching}: {cell}", seconds
+            print(f"{family:<18} {adapter:<14} {seconds:5.1f} s  {cell}", flush=True)
     args.output.write_text(header() + "\n" + table(results))
     print(f"wrote {args.output}")
     return 0

@@ -1,6 +1,6 @@
 """The family matrix: a tiny random model of each decoder family transformers ships (finetune/testing/families.py),
 one optimizer step of the debug recipe checked by `finetune.verify` against the float64 brute force, padded and
-packed (the default tier), length-grouped and on two CPU ranks (the slow tier: 21 more verify runs each). Every case
+packed (the default tier), length-grouped, on two CPU ranks, with LoRA and with QLoRA (the slow tier). Every case
 passes, mixtures of experts with their router balancing loss on, or (packed rows only) is refused in one line naming
 the batching that is exact: a family whose layers carry state along the sequence (linear attention, short
 convolutions, Mamba), or whose attention lets a packed row's sequences see one another (gpt-oss).
@@ -11,7 +11,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.testing.families import FAMILIES, REFUSED, family_folder, two_rank_batching, verify_argv
+from finetune.testing.families import ADAPTERS, FAMILIES, REFUSED, family_folder, two_rank_batching, verify_argv
 from finetune.tools import verify
 from tests.data_files import smollm2_folder
 from tests.launch import forked_ranks
@@ -41,6 +41,18 @@ def test_verify_passes_or_packing_is_refused(family, batching, tokenizer, tmp_pa
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_verify_passes_with_length_grouped_rows(family, tokenizer, tmp_path, capsys):
     code = verify.main(verify_argv(family_folder(tmp_path, family, tokenizer), family, "length_grouped"))
+    out, err = capsys.readouterr()
+    assert code == 0 and "verify: PASS" in out, (out + err)[-3000:]
+
+
+@pytest.mark.slow  # 42 more verify runs of about 2 s
+@pytest.mark.e2e
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_verify_passes_with_lora_and_qlora(family, adapter, tokenizer, tmp_path, capsys):
+    """The adapters' gradient against the float64 brute force over the same (dequantized) base."""
+    argv = verify_argv(family_folder(tmp_path, family, tokenizer), family, two_rank_batching(family))
+    code = verify.main([*argv, *ADAPTERS[adapter]])
     out, err = capsys.readouterr()
     assert code == 0 and "verify: PASS" in out, (out + err)[-3000:]
 

@@ -132,6 +132,13 @@ def family_folder(parent: Path, family: str, tokenizer) -> Path:
     return folder
 
 
+# recipe keys of the adapter cases (their rows: two_rank_batching's): LoRA on every linear layer (peft also wraps a
+# mixture of experts' fused expert weights and its router), and the same over a 4-bit NF4 base (bitsandbytes
+# quantizes the linear layers; fused expert weights stay in model.dtype)
+LORA = ["model.lora.enabled=true", "model.lora.target_modules=all-linear"]
+ADAPTERS = {"LoRA": LORA, "QLoRA": [*LORA, "model.quantization.bits=4"]}
+
+
 def two_rank_batching(family: str) -> str:
     """The batching a family's two-rank case runs: packed rows where they are not refused, else padded."""
     return "padded" if (family, "packed") in REFUSED else "packed"
