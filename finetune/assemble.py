@@ -30,7 +30,7 @@ from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
 from finetune.evaluation import metrics, sets
 from finetune.evaluation.prompts import sample_prompts
-from finetune.model import layer_kernels, loading, vlm
+from finetune.model import layer_kernels, loading, quantized, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.model.sequence_mixers import check_packed_mixers
@@ -247,6 +247,8 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     set_seed(train.seed)
     model = vlm.load_vlm(model_cfg, folder, tokenizer) if rows.images else loading.load_model(model_cfg, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
+    if line := quantized.unquantized_experts_line(model, model_cfg):
+        reporting.main_print(line)
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
         reporting.main_print(layer_kernels.use_liger_kernels(layer_kernels.base_model(model)))
     check_moe_balance(train, type(unwrap_peft_model(model)).__name__, has_router_loss(unwrap_peft_model(model)))

@@ -47,6 +47,29 @@ def test_every_linear_layer_of_the_base_is_quantized_and_only_the_adapters_train
     )
 
 
+def test_a_mixture_of_experts_says_its_experts_stay_unquantized(tmp_path):
+    """transformers keeps each layer's experts as fused 3-D weights, which bitsandbytes does not quantize: the
+    start-up line gives their count and size, as the loaded model holds them."""
+    from transformers import AutoTokenizer
+
+    from finetune.model.quantized import unquantized_experts_line
+    from finetune.testing.families import family_folder
+    from tests.data_files import smollm2_folder
+
+    folder = family_folder(tmp_path, "qwen3_moe", AutoTokenizer.from_pretrained(str(smollm2_folder())))
+    cfg = load_config([*QLORA, f"model.name_or_path={folder}", "model.gguf_file=null"])
+    model = loading.load_model(cfg.model, str(folder))
+    text = model.get_base_model().config
+    per_layer = text.num_experts * 3 * text.hidden_size * text.moe_intermediate_size  # gate and up, then down
+    count = per_layer * text.num_hidden_layers
+    assert unquantized_experts_line(model, cfg.model) == (
+        f"note: model.quantization.bits=4: {count:,} parameters of the experts' fused weights are not quantized "
+        "(bitsandbytes quantizes linear layers; transformers keeps each layer's experts as 3-D weights): "
+        f"{count * 4 / 2**30:.2f} GiB in torch.float32 after peft's k-bit preparation"
+    )
+    assert unquantized_experts_line(loaded(QLORA), cfg.model) is None  # a dense model: no line
+
+
 def test_the_4bit_keys_reach_bitsandbytes():
     model = loaded(
         [*QLORA, "model.quantization.bnb_4bit_quant_type=fp4", "model.quantization.bnb_4bit_use_double_quant=false"]

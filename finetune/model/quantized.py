@@ -119,6 +119,25 @@ def prepare_kbit(model, cfg: ModelConfig):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
+def unquantized_experts_line(model, cfg: ModelConfig) -> str | None:
+    """A quantized mixture of experts: its experts' fused weights (one 3-D tensor per layer and projection, not
+    linear layers) are not quantized by bitsandbytes, and peft's k-bit preparation casts them to float32 with the
+    norms; the start-up line says how much of the model that is, before its memory surprises anyone. None else."""
+    if not is_quantized(cfg):
+        return None
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    experts = [p for name, p in frozen if p.dim() == 3 and ".experts." in name]
+    if not experts:
+        return None
+    count = sum(p.numel() for p in experts)
+    size = sum(p.numel() * p.element_size() for p in experts)
+    return (
+        f"note: model.quantization.bits={cfg.quantization.bits}: {count:,} parameters of the experts' fused weights "
+        f"are not quantized (bitsandbytes quantizes linear layers; transformers keeps each layer's experts as 3-D "
+        f"weights): {size / 2**30:.2f} GiB in {experts[0].dtype} after peft's k-bit preparation"
+    )
+
+
 def keep_trainable_layout(model) -> None:
     """Turn off bitsandbytes' CPU repacking of 4-bit weights. On a CPU with AVX-512 BF16, a Linear4bit's first
     forward in eval mode without gradient (an evaluation, a sample, verify's or the planner's no-grad pass) rewrites
