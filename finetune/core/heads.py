@@ -192,10 +192,15 @@ def balance_coefficient(model: torch.nn.Module) -> float | None:
 UNPLACED_LOSS_KEYS = ("z_loss_coefficient",)
 
 
+def text_config_of(config):
+    """A config's language model part (a VLM's text config; a text model's config itself; None as is)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def unplaced_loss_keys(config) -> list[str]:
     """`key=value` of each loss term `config` turns on that the model's forward adds and this trainer cannot place
     in the window's token mean; [] where none."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config_of(config)
     return [f"{key}={getattr(text, key)}" for key in UNPLACED_LOSS_KEYS if getattr(text, key, None)]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from finetune.core.heads import balance_coefficient
+from finetune.core.heads import balance_coefficient, text_config_of
 
 
 def experts_of(model) -> tuple[int, int] | None:
@@ -40,10 +40,9 @@ def has_router_loss(model) -> bool:
 def config_router_loss(config) -> bool:
     """Whether a model built from `config` adds a router balancing loss (output_router_logits on and a
     router_aux_loss_coef), read before its weights load."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return (
-        bool(getattr(text, "output_router_logits", False)) and getattr(text, "router_aux_loss_coef", None) is not None
-    )
+    text = text_config_of(config)
+    on = bool(getattr(text, "output_router_logits", False))
+    return on and getattr(text, "router_aux_loss_coef", None) is not None
 
 
 def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
