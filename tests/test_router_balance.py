@@ -135,9 +135,12 @@ def test_the_windows_balancing_loss_is_exact_under_accumulation(tmp_path):
         assert relative_error(applied, {n: ce[n] + means[n] for n in ce}) > 1e-4
 
 
-def test_one_micro_batch_is_trainers_step(tmp_path):
+@pytest.mark.parametrize("balance", ["micro", "window"])
+def test_one_micro_batch_is_trainers_step(balance, tmp_path):
+    """One micro-batch on one rank: the window is the micro-batch, so both definitions are Trainer's step."""
     initial, rows = tiny_qwen3_moe(), ragged_rows(4, seed=2)
-    ours = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "ours", 4, 1)[2]
+    kwargs = {"moe_balance": balance}
+    ours = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "ours", 4, 1, None, kwargs)[2]
     stock = Trainer(
         model=copy.deepcopy(initial),
         args=sgd_args(tmp_path / "stock", 4, 1),
