@@ -4,6 +4,7 @@ and a one-process `accelerate launch` do (it exits 1 at once on SIGTERM, its ran
 launchers under it, as a container's PID 1, are in tests/test_faults.py's launcher matrix (slow tier)."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -80,3 +81,29 @@ def test_usage_and_exit_status(capsys):
     assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: finetune-launch COMMAND")
     assert main([]) == 2 and capsys.readouterr().err.startswith("usage: finetune-launch COMMAND")
     assert exit_status(0) == 0 and exit_status(1) == 1 and exit_status(-signal.SIGTERM) == 143
+
+
+@pytest.mark.parametrize(
+    "environ, launcher",
+    [
+        ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, "finetune-launch torchrun [the same launch options] "),
+        ({"WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "no"}, "finetune-launch accelerate launch [the same "),
+        ({}, f"finetune-launch {shlex.quote(sys.executable)} "),
+    ],
+)
+def test_the_resume_line_of_a_run_under_finetune_launch_names_it(environ, launcher, monkeypatch, tmp_path):
+    """A stopped run prints the command that resumes it; under finetune-launch (which set the stop-code file for its
+    ranks) that command starts with finetune-launch too, so a restart keeps the stop's exit code."""
+    from finetune.env import STOP_CODE_FILE
+    from finetune.training.lifecycle import resume_command
+
+    for key in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    argv = ["recipe=recipes/debug.yaml", "train.resume_from=step-3"]
+    monkeypatch.setenv(STOP_CODE_FILE, str(tmp_path / "code"))
+    assert resume_command(argv).startswith(launcher)
+    assert resume_command(argv).endswith("recipe=recipes/debug.yaml train.resume_from=auto")
+    monkeypatch.delenv(STOP_CODE_FILE)
+    assert not resume_command(argv).startswith("finetune-launch")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from finetune.env import is_main_process, launch_kind, world_size
+from finetune.env import STOP_CODE_FILE, is_main_process, launch_kind, world_size
 from finetune.model import lora_merge
 from finetune.model.files import flush_tree
 from finetune.recipe import RecipeError, TrainConfig
@@ -299,9 +299,11 @@ def stopped_message(stop: StopRequest, trainer, argv: list[str]) -> str:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command that was run, with train.resume_from=auto: it continues from the newest checkpoint."""
+    """The command that was run, with train.resume_from=auto: it continues from the newest checkpoint (under
+    finetune-launch where the run was: it set the stop-code file)."""
     args = [a for a in argv if not a.startswith("train.resume_from=")] + ["train.resume_from=auto"]
+    wrapper = "finetune-launch " if os.environ.get(STOP_CODE_FILE) else ""
     if world_size() > 1:  # the launcher's own options are not visible to a rank
         launcher = "torchrun" if launch_kind() == "torchrun" else "accelerate launch"
-        return f"{launcher} [the same launch options] " + shlex.join([sys.argv[0], *args])
-    return shlex.join([sys.executable, sys.argv[0], *args])
+        return f"{wrapper}{launcher} [the same launch options] " + shlex.join([sys.argv[0], *args])
+    return wrapper + shlex.join([sys.executable, sys.argv[0], *args])
