@@ -84,6 +84,31 @@ def test_flops_per_token_counts_every_matmul_weight():
     assert flops_per_token(model, 100) == 6 * expected_params + 12 * c.num_hidden_layers * c.hidden_size * 100
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_through():
+    """Fused expert weights are no nn.Linear: a token multiplies by top-k of the E experts' matrices, and MFU counts
+    that share, with attention and the head in full; written out from the config. The router's E × hidden weight (no
+    nn.Linear either) is left out, as the embeddings are: a few thousandths of a layer's matmuls at real sizes."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    c = Qwen3MoeConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    model = Qwen3MoeForCausalLM(c)
+    attention = 2 * c.hidden_size * 4 * 8 + 2 * c.hidden_size * 2 * 8  # q, o; k, v
+    routed = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size  # gate, up, down of 2 of the 8
+    expected = c.num_hidden_layers * (attention + routed) + c.vocab_size * c.hidden_size
+    assert matmul_parameters(model) == expected
+
+
 def test_batch_counts_for_padded_and_packed_batches():
     rows = ragged_rows(5, seed=3)
     packed = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)([dict(r) for r in rows])

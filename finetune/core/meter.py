@@ -13,8 +13,10 @@ import time
 from collections.abc import Mapping
 
 import torch
+from transformers.trainer_utils import unwrap_peft_model
 
 from finetune.core.loss import CAUSAL_LM, IGNORE_INDEX, targets_of
+from finetune.core.router_balance import experts_of
 
 # Fields of the per-window count vector, in order.
 COUNTS = ("label_tokens", "real_tokens", "computed_tokens", "sequences")
@@ -94,12 +96,21 @@ def peak_memory_mb(reset: bool = False) -> float:
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:
-    """Weights of every nn.Linear (the LM head included, embeddings and norms not): what a token multiplies by."""
-    return sum(
+    """What a token multiplies by: the weights of every nn.Linear (the LM head included, embeddings and norms not)
+    and, of a mixture of experts' fused expert weights (one 3-D tensor per layer and projection, not linear layers),
+    the share its routing sends each token through (experts per token ÷ experts)."""
+    linear = sum(
         getattr(m.weight, "ds_numel", m.weight.numel())  # ZeRO-3 partitions weights; ds_numel is the full size
         for m in model.modules()
         if isinstance(m, torch.nn.Linear)
     )
+    shape = experts_of(unwrap_peft_model(model))
+    if shape is None:
+        return linear
+    weights = [p for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
+    fused = sum(getattr(p, "ds_numel", p.numel()) for p in weights)
+    experts, per_token = shape
+    return linear + fused * per_token // experts
 
 
 def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_params: int | None = None) -> float:
