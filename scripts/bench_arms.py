@@ -3,7 +3,9 @@
 An arm name is a base and modifiers joined by `+`: `trl_packing+flex+liger+bf16w` is TRL's SFTTrainer with
 best-fit-decreasing packing, flex_attention, `use_liger_kernel=True` and bf16 weights. Modifiers: `flex`
 (flex_attention) or `flash` (flash_attention_2) for the peers' attention (default sdpa), `liger` (the peers'
-`use_liger_kernel=True`), `bf16w` (weights built in bfloat16, not float32; ours: the recipe's model.dtype=bfloat16).
+`use_liger_kernel=True`), `bf16w` (weights built in bfloat16, not float32; ours: the recipe's model.dtype=bfloat16),
+`window` (ours, on a mixture of experts: the router balancing loss over the whole window, train.moe_balance=window;
+without it, micro).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Arm:
     attention: str | None = None  # None: the recipe's (ours) or sdpa (the peers)
     liger: bool = False
     bf16_weights: bool = False
+    window_balance: bool = False
 
     @property
     def family(self) -> str:
@@ -67,6 +70,7 @@ class Arm:
             "liger": self.liger or self.base == AFTER_LIGER,
             "weights": "bfloat16" if self.bf16_weights else "float32",
             "batching": BATCHING.get(self.base, f"ours: data.batching={self.base}"),
+            **({"moe_balance": "window"} if self.window_balance else {}),
         }
 
 
@@ -76,14 +80,13 @@ def parse(name: str) -> Arm:
     known = (*TRAINER, *TRL, *OURS, AFTER_LIGER, "hand_loop")
     if base not in known:
         raise ValueError(f"unknown arm {name!r}: the base must be one of {', '.join(known)}")
-    allowed = (
-        {"bf16w"} if base in (*OURS, AFTER_LIGER) else set() if base == "hand_loop" else {"bf16w", "liger", *ATTENTION}
-    )
+    ours = {"bf16w", "window"}
+    allowed = ours if base in (*OURS, AFTER_LIGER) else set() if base == "hand_loop" else {"bf16w", "liger", *ATTENTION}
     bad = [m for m in modifiers if m not in allowed] + [m for m in set(modifiers) if modifiers.count(m) > 1]
     if bad or len(set(modifiers) & set(ATTENTION)) > 1:
         raise ValueError(f"arm {name!r}: {base} takes at most one of each of {', '.join(sorted(allowed)) or 'nothing'}")
     attention = next((ATTENTION[m] for m in modifiers if m in ATTENTION), None)
-    return Arm(name, base, attention, "liger" in modifiers, "bf16w" in modifiers)
+    return Arm(name, base, attention, "liger" in modifiers, "bf16w" in modifiers, "window" in modifiers)
 
 
 def has(module: str) -> bool:

@@ -38,6 +38,7 @@ def run_ours(bench: Bench, arm: Arm, accumulation: int, steps: int, cuda: bool) 
     batching = "packed" if arm.base == AFTER_LIGER else arm.base
     keys = [f"train.max_steps={steps}", "log.wandb_mode=disabled", "train.save_steps=0", f"data.batching={batching}"]
     keys += ["model.dtype=bfloat16"] if arm.bf16_weights else []
+    keys += ["train.moe_balance=window"] if arm.window_balance else []
     if batching == "token_budget" or (batching == "packed" and bench.args.packed == "budget"):
         keys += [
             f"data.max_tokens_per_micro_batch={bench.budget}",

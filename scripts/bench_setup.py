@@ -21,6 +21,34 @@ MODELS = {
     ),
     "smollm2-135m": {},
     "smollm2": {},  # pretrained weights
+    "qwen3-moe": {},  # MIXTURES: a config of its own, SmolLM2's tokenizer
+    "tiny-moe": {},
+}
+# Qwen3-MoE-shaped mixtures of experts with the router balancing loss on (Qwen3-MoE's coefficient), built from these
+# configs with SmolLM2's tokenizer in the run's folder: qwen3-moe 0.7B parameters, 0.1B of them per token (12 layers,
+# hidden 1,024, 32 experts of 512, 4 per token); tiny-moe for tests
+MOE_LAYERS = dict(output_router_logits=True, router_aux_loss_coef=0.001, num_key_value_heads=4, head_dim=64)
+MIXTURES = {
+    "qwen3-moe": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        **MOE_LAYERS,
+    ),
+    "tiny-moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        **{**MOE_LAYERS, "num_key_value_heads": 2, "head_dim": 16},
+    ),
 }
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +86,9 @@ class Bench:
         keys += [f"data.max_length={a.max_length}"] if a.max_length else []
         keys += [f"train.precision={a.precision}"]
         keys += [f"model.name_or_path={a.model_folder}", "model.gguf_file=null"] if a.model_folder else []
+        if a.model in MIXTURES:
+            keys += [f"model.name_or_path={self.mixture_folder(load_config([f'recipe={RECIPE}', *keys]))}"]
+            keys += ["model.gguf_file=null"]
         keys += [*overrides, f"train.output_dir={tempfile.mkdtemp(dir=self.scratch)}"]
         cfg = load_config([f"recipe={RECIPE}", *keys])
         if a.model == "smollm2":  # the pretrained weights, not a random init
@@ -66,12 +97,34 @@ class Bench:
             cfg.model.config_overrides = dict(MODELS[a.model])
         return cfg
 
+    def mixture_folder(self, smollm2) -> Path:
+        """The --model mixture of experts' config (MIXTURES) and SmolLM2's tokenizer, as a hub model's folder, in the
+        run's folder (made once: the arms' processes read it)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from finetune.model.loading import model_folder
+
+        folder = Path(self.scratch) / self.args.model
+        if not (folder / "config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(model_folder(smollm2.model))
+            ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "bos", "eos")}
+            config = AutoConfig.for_model("qwen3_moe", vocab_size=len(tokenizer), **ids, **MIXTURES[self.args.model])
+            config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        return folder
+
     def describe(self) -> str:
         o, name = self.model_config(), self.args.model
+        experts = (
+            f", {o.num_experts} experts of {o.moe_intermediate_size}, {o.num_experts_per_tok} per token, router loss "
+            f"×{o.router_aux_loss_coef:g}"
+            if name in MIXTURES
+            else ""
+        )
         model = (
-            f"{'SmolLM2-135M-Instruct (pretrained)' if name == 'smollm2' else name + ': random init'}, Llama, "
-            f"hidden {o.hidden_size}, {o.num_hidden_layers} layers, {o.num_attention_heads}/"
-            f"{o.num_key_value_heads} heads, MLP {o.intermediate_size}, vocabulary {o.vocab_size}"
+            f"{'SmolLM2-135M-Instruct (pretrained)' if name == 'smollm2' else name + ': random init'}, "
+            f"{o.model_type}, hidden {o.hidden_size}, {o.num_hidden_layers} layers, {o.num_attention_heads}/"
+            f"{o.num_key_value_heads} heads, MLP {o.intermediate_size}{experts}, vocabulary {o.vocab_size}"
         )
         device = (
             f"CUDA {torch.cuda.get_device_name()}"

@@ -75,7 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=tuple(MODELS),
         default="bench",
         help="bench: recipes/bench.yaml (hidden 384, 6 layers); "
-        "0.5b: 24 layers, hidden 1280; smollm2-135m: its config, random init; smollm2: its weights; tiny: tests",
+        "0.5b: 24 layers, hidden 1280; smollm2-135m: its config, random init; smollm2: its weights; tiny: tests; "
+        "qwen3-moe: a Qwen3-MoE-shaped 0.7B (32 experts, 4 per token, router loss on); tiny-moe: tests",
     )
     add(
         "--packed",
@@ -262,13 +263,13 @@ def main(argv: list[str]) -> int:
     scratch = tempfile.mkdtemp(prefix="bench-")
     try:
         bench = Bench(args, scratch)
-        print(bench.describe(), flush=True)
+        description, config = bench.describe(), bench.model_config()  # while a mixture's folder is there
+        print(description, flush=True)
         results = measure(bench, started)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     from finetune.core.meter import device_peak_flops
 
-    config = bench.model_config()
     add_utilisation(
         results,
         config.num_hidden_layers,
@@ -277,7 +278,7 @@ def main(argv: list[str]) -> int:
         device_peak_flops(args.precision, args.peak_tflops),
     )
     add_ratios(results)
-    print_report(results, PeakMemory(args.device == "cuda").kind, bench.describe(), bench.accumulation, args.model)
+    print_report(results, PeakMemory(args.device == "cuda").kind, description, bench.accumulation, args.model)
     print(f"\ntotal {time.perf_counter() - started:.0f} s wall")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -122,6 +122,27 @@ def test_tuned_variants_run_or_say_why_not(tmp_path):
     assert f"SKIPPED: {LIGER_WHY}" in result.stdout
 
 
+@pytest.mark.slow  # three arms, each a process of its own
+@pytest.mark.subprocess
+@pytest.mark.timeout(1800)
+def test_a_mixture_of_experts_runs_against_a_peer_with_its_balancing_per_micro_batch_and_per_window(tmp_path):
+    """The Qwen3-MoE-shaped model (tiny here) built in the run's folder with SmolLM2's tokenizer: every arm trains
+    it, ours with train.moe_balance micro and window, and MFU's matmul parameters count the routed experts' share."""
+    result, results = benchmark(tmp_path, "--model", "tiny-moe", "--arms", "packed,packed+window,hf_flatten")
+    assert list(results) == ["packed", "packed+window", "hf_flatten"]
+    assert "tiny-moe: random init, qwen3_moe, hidden 64, 2 layers, 4/2 heads, MLP 128, 4 experts of 32, 2 per " in (
+        result.stdout
+    )
+    assert results["packed+window"]["moe_balance"] == "window" and "moe_balance" not in results["packed"]
+    for arm, r in results.items():
+        assert r["real_tokens_per_s"] > 0 and r["real_token_share"] == 1.0, arm
+    head, attention = 49152 * 64, 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16  # q and o, k and v (head_dim 16)
+    routed = 2 * 3 * 64 * 32  # 2 of the 4 experts: gate, up and down
+    assert (
+        results["packed"]["matmul_params"] == results["hf_flatten"]["matmul_params"] == head + 2 * (attention + routed)
+    )
+
+
 @pytest.mark.subprocess
 def test_no_arm_starts_after_the_time_limit_and_the_report_says_so(tmp_path):
     result, results = benchmark(tmp_path, "--arms", "hf_flatten,packed", "--time-limit", "0.001")
