@@ -109,6 +109,38 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_through():
     assert matmul_parameters(model) == expected
 
 
+def test_a_mixture_that_names_its_experts_otherwise_counts_them_alike():
+    """DeepSeek-V3 keeps its expert count in config.n_routed_experts (its model has no num_experts): its routed share
+    is counted all the same, over its mixture-of-experts layers (layer 0 stays dense: first_k_dense_replace)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    c = DeepseekV3Config(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
+    model = DeepseekV3ForCausalLM(c)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    routed = (c.num_hidden_layers - c.first_k_dense_replace) * c.num_experts_per_tok * 3 * 32 * c.moe_intermediate_size
+    assert matmul_parameters(model) == linear + routed
+
+
 def test_batch_counts_for_padded_and_packed_batches():
     rows = ragged_rows(5, seed=3)
     packed = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)([dict(r) for r in rows])

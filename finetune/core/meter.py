@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 from transformers.trainer_utils import unwrap_peft_model
 
+from finetune.core.heads import text_config_of
 from finetune.core.loss import CAUSAL_LM, IGNORE_INDEX, targets_of
 from finetune.core.router_balance import experts_of
 
@@ -104,13 +105,26 @@ def matmul_parameters(model: torch.nn.Module) -> int:
         for m in model.modules()
         if isinstance(m, torch.nn.Linear)
     )
-    shape = experts_of(unwrap_peft_model(model))
+    shape = routed_experts(model)
     if shape is None:
         return linear
     weights = [p for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
     fused = sum(getattr(p, "ds_numel", p.numel()) for p in weights)
     experts, per_token = shape
     return linear + fused * per_token // experts
+
+
+def routed_experts(model: torch.nn.Module) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of a mixture of experts, as its forward passes them to its balancing loss,
+    else from its config under the family's name for them (DeepSeek-V3 and GLM-4-MoE: n_routed_experts); None for a
+    dense model."""
+    if (shape := experts_of(unwrap_peft_model(model))) is not None:
+        return shape
+    text = text_config_of(getattr(model, "config", None))
+    per_token = getattr(text, "num_experts_per_tok", None)
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    experts = next((getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)), None)
+    return (experts, per_token) if experts and isinstance(per_token, int) else None
 
 
 def flops_per_token(model: torch.nn.Module, sequence_length: float, matmul_params: int | None = None) -> float:
