@@ -88,23 +88,14 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_through():
     """Fused expert weights are no nn.Linear: a token multiplies by top-k of the E experts' matrices, and MFU counts
     that share, with attention and the head in full; written out from the config. The router's E × hidden weight (no
     nn.Linear either) is left out, as the embeddings are: a few thousandths of a layer's matmuls at real sizes."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    c = Qwen3MoeConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
+    from tests.test_router_balance import moe_config
+
+    c = moe_config(vocab_size=100, router_loss=False)  # 2 layers of 4 experts, 2 per token
     model = Qwen3MoeForCausalLM(c)
     attention = 2 * c.hidden_size * 4 * 8 + 2 * c.hidden_size * 2 * 8  # q, o; k, v
-    routed = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size  # gate, up, down of 2 of the 8
+    routed = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size  # gate, up, down of 2 of the 4
     expected = c.num_hidden_layers * (attention + routed) + c.vocab_size * c.hidden_size
     assert matmul_parameters(model) == expected
 
@@ -114,27 +105,10 @@ def test_a_mixture_that_names_its_experts_otherwise_counts_them_alike():
     is counted all the same, over its mixture-of-experts layers (layer 0 stays dense: first_k_dense_replace)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    c = DeepseekV3Config(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        head_dim=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-    )
+    from finetune.testing.families import FAMILIES
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    c = DeepseekV3Config(vocab_size=100, num_key_value_heads=4, **small, **FAMILIES["deepseek_v3"])  # 4 experts, 2 each
     model = DeepseekV3ForCausalLM(c)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     routed = (c.num_hidden_layers - c.first_k_dense_replace) * c.num_experts_per_tok * 3 * 32 * c.moe_intermediate_size

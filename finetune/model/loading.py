@@ -107,9 +107,9 @@ def cached_folder(name: str, stamp: str, build) -> Path:
 def model_folder(cfg: ModelConfig) -> str:
     """Where from_pretrained reads: a hub id, a local folder (its files checked), or the plain folder converted from a
     GGUF."""
-    source = resolve_source(cfg.name_or_path)
     if cfg.gguf_file:
         return str(plain_folder_from_gguf(cfg.name_or_path, cfg.gguf_file, cfg.trust_remote_code))
+    source = resolve_source(cfg.name_or_path)
     check_folder(cfg, source)
     return source
 
