@@ -221,6 +221,8 @@ def load_data(
     load_rows = mixture.load_mixture if data.mixture else training_set.load_training_set
     dataset, report, held = load_rows(data, ev.fraction, seed, tokenizer, rows)
     reporting.main_print(f"data: {report.summary()}")
+    for line in report.notes():  # what the chat template drops of the rows, said once
+        reporting.main_print(f"note: {line}")
     if plan.ignored_eval_keys:  # eval.fraction=0 alone turns evaluation off
         ignored = ", ".join(plan.ignored_eval_keys)
         reporting.main_print(f"note: no eval set (eval.fraction=0, no eval.source): {ignored} ignored")

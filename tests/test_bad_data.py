@@ -138,9 +138,9 @@ def test_a_lone_surrogate_in_a_text_row_and_a_json_array_with_a_key_twice(tok, t
 
 
 def test_tool_turns_are_checked_where_the_template_names_the_tool_role(tok, tmp_path):
-    from finetune.data.text import chat_roles, check_turns
+    from finetune.data.messages import chat_roles, check_turns
 
-    tools = type("T", (), {"chat_template": "{% if message['role'] == 'tool' %}…{% endif %}"})()
+    tools = "{% if message['role'] == 'tool' %}…{% endif %}"
     assert chat_roles(tools) == ("system", "user", "assistant", "tool")
     check_turns(
         turns(("user", "q"), ("assistant", "call"), ("tool", "42"), ("assistant", "It is 42."))["messages"],

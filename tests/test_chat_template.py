@@ -100,7 +100,7 @@ def test_base_model_trains_on_messages_with_chatml(base_model, tmp_path, capfd):
 
 
 NOT_RENDERING = "{% for message in messages %}{{ message['content'] }"  # an unclosed expression
-NO_MARKER = "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+NO_TURN_END = "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
 
 
 @pytest.mark.parametrize(
@@ -123,12 +123,12 @@ NO_MARKER = "{% for message in messages %}{{ message['role'] + ': ' + message['c
             r"\(.+\)$",
         ),
         (
-            NO_MARKER,
-            r"^error: data\.chat_template=\S+\.jinja: the template has no assistant turn marker the labels can use "
-            r"\(with add_generation_prompt it must end exactly where the assistant's turn starts, and add text there\)",
+            NO_TURN_END,
+            r"^error: data\.chat_template=\S+\.jinja: the template ends an assistant turn with no special token of "
+            r"the tokenizer, so the model would never learn to stop; end each turn with one",
         ),
     ],
-    ids=["no template", "no such file", "does not render", "no assistant marker"],
+    ids=["no template", "no such file", "does not render", "no turn end"],
 )
 def test_bad_template_is_one_error_line_exit_2(base_model, tmp_path, template, message, capfd):
     out = tmp_path / "out"

@@ -155,16 +155,19 @@ def test_empty_content_is_a_bad_row(tok, tmp_path):
         load(tok, write_jsonl(tmp_path / "t.jsonl", [{"text": ""}]))
 
 
-def test_template_that_breaks_the_prefix_property_is_reported(tok, tmp_path):
-    broken = AutoTokenizer.from_pretrained(str(smollm2_folder()))
-    broken.chat_template = (  # renders a turn differently once it is no longer the last one
+def test_a_template_that_renders_earlier_turns_differently_is_labelled_as_it_renders_them(tok, tmp_path):
+    other = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    other.chat_template = (  # renders a turn differently once it is no longer the last one (as Qwen3, gpt-oss do)
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if not loop.last %} (earlier){% endif %}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     path = write_jsonl(tmp_path / "a.jsonl", [chat("a?", "A.", "b?", "B.")])
-    with pytest.raises(RecipeError, match=r"a.jsonl line 1: assistant turn 1: .*prefix-consistently"):
-        load(broken, path)
-    ds, _ = load(broken, path, loss_on="all")  # no spans needed
+    ds, _ = load(other, path)
+    # each turn's tokens as the whole conversation shows them, to the token that ends it
+    assert labelled(other, ds[0]) == "A. (earlier)<|im_end|>B.<|im_end|>"
+    text = other.decode(ds[0]["input_ids"])
+    assert text.count(" (earlier)") == 3 and text.endswith("B.<|im_end|>\n")
+    ds, _ = load(other, path, loss_on="all")  # no spans needed
     assert len(ds) == 1
 
 

@@ -185,7 +185,7 @@ def test_the_mapping_keys_load_from_a_recipe_and_are_checked():
 
 
 def test_the_schema_names_every_field_a_format_reads():
-    read = {c for columns in FORMAT_COLUMNS.values() for c in columns} | {"input", "system", "history"}
+    read = {c for columns in FORMAT_COLUMNS.values() for c in columns} | {"input", "system", "history", "tools"}
     assert set(ROW_FIELDS) == read
 
 

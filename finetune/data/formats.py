@@ -142,7 +142,8 @@ def as_read(fmt: str, record: Any, data: DataConfig) -> Any:
         if system and messages[0]["role"] == "system":
             raise BadRow("a system column and a system turn (conversations[0]); keep one of them")
         messages = system + messages
-    return {"messages": messages}
+    tools = {"tools": record["tools"]} if "tools" in record else {}  # the row's tool schemas go to the template
+    return {"messages": messages, **tools}
 
 
 def conversation(value: Any, fmt: str, data: DataConfig) -> list[dict]:

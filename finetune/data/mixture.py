@@ -32,6 +32,9 @@ class MixtureReport:
         each = "; ".join(report.summary() for _, report, _, _ in self.parts)
         return f"mixture of {len(self.parts)} sources: {drawn} [{each}]"
 
+    def notes(self) -> list[str]:
+        return [f"{name}: {line}" for name, report, _, _ in self.parts for line in report.notes()]
+
 
 def drawn_counts(sizes: list[int], weights: list[float]) -> list[int]:
     """Rows drawn from each source: the weights' shares of all kept rows, rounded so they add up (largest

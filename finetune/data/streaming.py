@@ -27,7 +27,7 @@ from finetune.data.formats import detect_format
 from finetune.data.report import DataReport
 from finetune.data.source_files import file_kind, local_files
 from finetune.data.sources import BadRow, Record, csv_records, json_line_records, open_data, read_error, reject_row
-from finetune.data.text import blank_tokens, char_limit, fit_row, row_labels, row_strings, text_eos
+from finetune.data.text import char_limit, encode, fit_row, row_labels, row_texts, text_eos
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 PEEK_ROWS = 64  # rows read at start to detect the format and fail early on a wrong source
@@ -128,21 +128,29 @@ class StreamingSFT(torch.utils.data.IterableDataset):
         """Rows in the source's order."""
         data, fmt = self.data, self.fmt
         self.report = report = DataReport(source=data.source, format=fmt)
-        blank = blank_tokens(self.tokenizer)
         max_chars = char_limit(self.tokenizer, data.max_length)
         worker = torch.utils.data.get_worker_info()
         for k, (where, record) in enumerate(stream_records(data, report)):
             if worker is not None and k % worker.num_workers != worker.id:
                 continue
+            yield from self.labelled(where, record, max_chars)
+
+    def labelled(self, where: str, record, max_chars: int):
+        """The rows one record gives, labelled as load_sft_dataset labels them."""
+        data, report = self.data, self.report
+        try:
+            pieces = row_texts(self.fmt, record, self.tokenizer, data, max_chars)
+        except BadRow as e:
+            reject_row(data, report, where, str(e))
+            return
+        for piece, ids, offsets in zip(pieces, *encode(self.tokenizer, pieces, self.fmt)):
             try:
-                strings, cut = row_strings(fmt, record, self.tokenizer, data, max_chars)
-                encoded = self.tokenizer(strings, add_special_tokens=fmt == "text")["input_ids"]
-                ids, labels = row_labels(fmt, data.loss_on, encoded, blank, text_eos(data, self.tokenizer))
+                row = row_labels(piece, ids, offsets, text_eos(data, self.tokenizer))
             except BadRow as e:
                 reject_row(data, report, where, str(e))
                 continue
-            kept = fit_row(data, report, where, ids, labels, cut)
-            if kept:
+            report.count_turns(piece.located)
+            if kept := fit_row(data, report, where, *row, piece.cut):
                 report.rows_kept += 1
                 yield {"input_ids": kept[0], "labels": kept[1]}
 

@@ -9,8 +9,9 @@ Rows: `messages` and `images` (a list) or `image` (one), from jsonl/json/parquet
 to the file), hub datasets (PIL/encoded images), or the built-in `shapes_captions`. A message's content is a string or
 a list of parts ({"type": "image"}, {"type": "text", "text": …}); the image token inside a text (LLaVA-style
 "<image>\\n…") counts as a placeholder too; a row with images and no placeholder gets them at the start of its first
-user turn. A row without images is a text row. The label spans come from finetune/data/text.py's prefix renderings; each
-rendering goes through the processor, so placeholders are expanded exactly as at inference.
+user turn. A row without images is a text row. The trained spans come from one rendering of the conversation
+(finetune/data/chat_labels.py); the rendering goes through the processor, so placeholders are expanded exactly as at
+inference.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Any
 import torch
 
 from finetune.core.labels import IGNORE_INDEX, target_count
+from finetune.data.chat_labels import Offsets, check_labels, conversation_rows, render, token_labels
+from finetune.data.chat_templates import require_chat_template
 from finetune.data.formats import check_text, detect_format
 from finetune.data.image_inputs import ImageInputs
 from finetune.data.images import image_base_dir, open_image, stored_image, stored_ref
+from finetune.data.messages import CHAT_ROLES, check_turns
 from finetune.data.report import DataReport
 from finetune.data.sources import BadRow, Record, read_records, reject_row
-from finetune.data.text import CHAT_ROLES, blank_tokens, check_turns, render_chat, row_labels
 from finetune.recipe import DataConfig, RecipeError, first_line
 
 EXTRA_COLUMNS = ("images", "row", "length")  # what the collator takes off before the text collator pads
@@ -103,28 +106,53 @@ def image_token_ids(processor) -> set[int]:
     return {i for i in ids if i is not None and i != tokenizer.unk_token_id}
 
 
-def encode_row(processor, messages: list[dict], images: list, loss_on: str, blank) -> tuple[list[int], list[int]]:
-    """input_ids and labels: the full rendering and, per labelled assistant turn, its two prefix renderings, each
-    through the processor (placeholders expanded as at inference); finetune.data.text turns them into label spans."""
+def _processed(processor, text: str, images: list) -> list[int]:
+    """The processor's ids of one rendering: its placeholders expanded (as at inference) with the images they hold."""
+    count = text.count(getattr(processor, "image_token", "<image>"))
+    try:
+        out = processor(text=[text], images=images[:count] or None, add_special_tokens=False)
+    except (ValueError, TypeError) as e:
+        raise BadRow(f"the processor refuses it ({first_line(e)})") from None
+    return list(out["input_ids"][0])
+
+
+def expand_labels(text_ids: list[int], text_labels: list[int], ids: list[int]) -> list[int]:
+    """The labels of the processor's `ids` from those of the tokenizer's `text_ids` of the same rendering: the
+    processor only inserts tokens at the image placeholders (its image tokens, never targets), so the two walk
+    together and what it inserted is IGNORE_INDEX. BadRow where they do not (a processor that rewrites text)."""
+    labels, k = [], 0
+    for token in ids:
+        if k < len(text_ids) and token == text_ids[k]:
+            labels.append(text_labels[k])
+            k += 1
+        else:
+            labels.append(IGNORE_INDEX)
+    if k < len(text_ids):
+        raise BadRow("the processor tokenizes the rendering differently from its tokenizer, so labels cannot follow")
+    return labels
+
+
+def encode_row(processor, messages: list[dict], images: list, data: DataConfig) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each training row of one conversation: rendered once (finetune/data/chat_labels.py
+    finds its trained spans and labels the tokenizer's tokens), then through the processor, whose image tokens the
+    labels skip."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    turns = [] if loss_on == "all" else turns[-1:] if loss_on == "completion" else turns
-    if loss_on != "all" and not turns:
+    turns = [] if data.loss_on == "all" else turns[-1:] if data.loss_on == "completion" else turns
+    if data.loss_on != "all" and not turns:
         raise BadRow("no assistant turn to learn from")
-    strings = (
-        [render_chat(processor, messages, False)]
-        + [render_chat(processor, messages[:i], True) for i in turns]
-        + [render_chat(processor, messages[: i + 1], False) for i in turns]
-    )
-    image_token = getattr(processor, "image_token", "<image>")
-    encoded = []
-    for text in strings:
-        count = text.count(image_token)
-        try:
-            out = processor(text=[text], images=images[:count] or None, add_special_tokens=False)
-        except (ValueError, TypeError) as e:
-            raise BadRow(f"the processor refuses it ({first_line(e)})") from None
-        encoded.append(list(out["input_ids"][0]))
-    return row_labels("messages", loss_on, encoded, blank)
+    require_chat_template(processor)
+    if data.loss_on == "all":
+        ids = _processed(processor, render(processor, messages), images)
+        return [(ids, list(ids))]
+    rows = []
+    for located in conversation_rows(processor, messages, turns, data.turn_rows):
+        text = processor.tokenizer(located.text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = Offsets(text["offset_mapping"])
+        text_labels = token_labels(text["input_ids"], offsets, located.trained)
+        check_labels(located, offsets, text_labels)
+        ids = _processed(processor, located.text, images)
+        rows.append((ids, expand_labels(text["input_ids"], text_labels, ids)))
+    return rows
 
 
 def vision_records(data: DataConfig, report: DataReport) -> list[Record]:
@@ -150,7 +178,6 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
         records = vision_records(data, report)
     else:
         report.rows_read = len(records)
-    blank = blank_tokens(processor.tokenizer)
     image_ids = image_token_ids(processor)
     image_token = getattr(processor, "image_token", "<image>")
     columns: dict[str, list] = {"input_ids": [], "labels": [], "images": [], "row": [], "length": []}
@@ -159,30 +186,35 @@ def load_vision_dataset(data: DataConfig, processor, records: list[Record] | Non
         try:
             messages, refs = parse_vision_row(record, image_token)
             opened = open_images(refs, base)
-            ids, labels = encode_row(processor, messages, opened, data.loss_on, blank)
+            rows = encode_row(processor, messages, opened, data)
         except BadRow as e:
             reject_row(data, report, where, str(e))
             continue
-        labels = [IGNORE_INDEX if t in image_ids else label for t, label in zip(ids, labels)]
-        fitted = fit_length(data, where, ids, labels, image_ids, report)
-        if fitted is None:
-            continue
-        ids, labels = fitted
-        targets = target_count(labels)
-        if not targets:
-            report.dropped_no_supervised_tokens += 1
-            continue
-        columns["input_ids"].append(ids)
-        columns["labels"].append(labels)
-        columns["images"].append([stored_image(ref, image, base) for ref, image in zip(refs, opened)])
-        columns["row"].append(where)
-        columns["length"].append(len(ids))  # length_grouped: given a processor, Trainer would measure pixel_values
-        report.tokens += len(ids)
-        report.target_tokens += targets
+        for ids, labels in rows:
+            labels = [IGNORE_INDEX if t in image_ids else label for t, label in zip(ids, labels)]
+            fitted = fit_length(data, where, ids, labels, image_ids, report)
+            if fitted is not None:
+                add_row(columns, report, where, fitted, [stored_image(r, i, base) for r, i in zip(refs, opened)])
     report.rows_kept = len(columns["input_ids"])
     if not report.rows_kept:
         raise RecipeError(f"data.source={data.source}: no rows left ({report.summary()})")
     return vision_dataset(columns), report
+
+
+def add_row(columns: dict[str, list], report: DataReport, where: str, row: tuple[list, list], images: list) -> None:
+    """One labelled row into the dataset's columns, counted; a row without targets dropped and counted."""
+    ids, labels = row
+    targets = target_count(labels)
+    if not targets:
+        report.dropped_no_supervised_tokens += 1
+        return
+    columns["input_ids"].append(ids)
+    columns["labels"].append(labels)
+    columns["images"].append(images)
+    columns["row"].append(where)
+    columns["length"].append(len(ids))  # length_grouped: given a processor, Trainer would measure pixel_values
+    report.tokens += len(ids)
+    report.target_tokens += targets
 
 
 def open_images(refs: list, base: Path | None) -> list:

@@ -38,6 +38,7 @@ ROW_FIELDS = (
     "prompt",
     "completion",
     "text",
+    "tools",
 )
 
 
@@ -79,6 +80,14 @@ class DataConfig:
     )
     loss_on: str = one_of(
         "assistant", "completion", "all", help="tokens trained on: every assistant turn, the last one, or all tokens"
+    )
+    # a conversation rendered whole, as the template renders it (earlier turns' reasoning dropped where it drops it,
+    # as at inference), or one row per trained assistant turn, that turn last (its own reasoning kept)
+    turn_rows: str = one_of(
+        "conversation",
+        "per_turn",
+        help="conversation: one row per conversation, rendered whole; per_turn: one row per assistant turn, ending "
+        "with it (each turn with its own reasoning)",
     )
     on_bad_row: str = one_of("error", "skip", help="a malformed row: an error naming it, or skipped and counted")
     limit: int | None = number(None, min=1, help="keep the first N rows (quick runs)")
