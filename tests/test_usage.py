@@ -125,6 +125,23 @@ def test_dry_run_plan_is_what_the_trainer_derives(capsys):
     assert plan_lines[2] == "precision fp32 (weights loaded in float32)"
 
 
+def test_dry_run_shows_the_first_rows_with_their_targets_marked(capsys):
+    from finetune.assemble import load_tokenizer
+    from finetune.data.text import load_sft_dataset
+
+    cfg, out, _ = dry_run_page(capsys, ["recipe=recipes/debug.yaml", "data.loss_on=completion"])
+    shown = out.split("as they train (targets between ⟦ and ⟧):\n", 1)[1]
+    rows = [row.replace("\n# ", "\n").removeprefix("# ") for row in shown.split("# row ")[1:]]
+    assert len(rows) == 2
+    _, _, tokenizer = load_tokenizer(cfg.model, cfg.data, cfg.train, resolve_plan(cfg, 1))
+    dataset, _ = load_sft_dataset(dataclasses.replace(cfg.data, limit=2), tokenizer)
+    for k, (text, row) in enumerate(zip(rows, dataset), 1):
+        targets = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        inside = "".join(text.split("⟦")[1:]).split("⟧")[0]
+        assert text.startswith(f"{k}:\n") and text.count("⟦") == 1
+        assert inside == tokenizer.decode(targets)  # what is marked is what trains, token for token
+
+
 def test_dry_run_counts_epochs_as_build_does(capsys):
     """max_steps=-1: the steps come from the data, counted as build counts them (the tokenizer and rows load)."""
     from finetune.assemble import load_data, load_tokenizer

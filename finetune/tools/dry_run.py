@@ -8,7 +8,8 @@ and learning rate (`schedules.startup_line`), the optimizer steps (`batching.cou
 The step count needs the data only when the run is counted in epochs (train.max_steps=-1): then the tokenizer and
 the training rows load as training loads them (their report lines go to stderr, keeping stdout a recipe).
 `train.micro_batch_size: auto` is planned with memory trials on the model: the plan then shows what is known
-without it (finetune-plan shows the choice).
+without it (finetune-plan shows the choice). Last, the first rows of data.source as they will train (`FIRST_ROWS`,
+read, rendered and labelled as training does them), their targets between ⟦ and ⟧.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 from finetune.env import is_main_process
 from finetune.recipe import Config, RunPlan, to_yaml
 from finetune.recipe.usage import print_page
+
+FIRST_ROWS = 2
 
 
 def optimizer_steps(cfg: Config, plan: RunPlan) -> tuple[int, str]:
@@ -66,15 +69,40 @@ def plan_lines(cfg: Config, plan: RunPlan) -> list[str]:
     ]
 
 
+def row_lines(cfg: Config, plan: RunPlan) -> list[str]:
+    """The first rows of data.source as they will train, targets marked (image rows and mixtures: a line saying
+    they are not shown)."""
+    import dataclasses
+
+    from finetune.assemble import load_tokenizer
+    from finetune.data.chat_labels import marked
+    from finetune.data.text import load_sft_dataset
+
+    if cfg.data.mixture:
+        return ["rows: not shown for data.mixture (each source's first rows: --dry-run data.source=SOURCE)"]
+    with contextlib.redirect_stdout(sys.stderr):
+        _, rows, tokenizer = load_tokenizer(cfg.model, cfg.data, cfg.train, plan)
+        if rows.images:
+            return ["rows: image rows are not shown"]
+        first = dataclasses.replace(cfg.data, limit=FIRST_ROWS, streaming=False, on_bad_row="skip")
+        dataset, _ = load_sft_dataset(first, tokenizer)
+    lines = [f"first {len(dataset)} rows of {cfg.data.source} as they train (targets between ⟦ and ⟧):"]
+    for k, row in enumerate(dataset, 1):
+        lines += [f"row {k}:", *marked(tokenizer, row["input_ids"], row["labels"]).splitlines()]
+    return lines
+
+
 def dry_run(cfg: Config, plan: RunPlan) -> int:
-    """Print the recipe and its plan on the main process; exit code 0."""
+    """Print the recipe, its plan and its first rows on the main process; exit code 0."""
     lines = plan_lines(cfg, plan)
+    rows = row_lines(cfg, plan)
     if is_main_process():
         page = [
             f"# resolved recipe ({cfg.recipe or 'no recipe file'} + command line)",
             to_yaml(cfg).rstrip("\n"),
             "# plan (--dry-run: nothing trained, no model weights loaded)",
             *(f"#   {line}" for line in lines),
+            *(f"# {line}" for line in rows),
         ]
         print_page("\n".join(page))
     return 0
