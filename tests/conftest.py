@@ -27,7 +27,12 @@ def tiny_vlm_folder(processor, tmp_path_factory) -> Path:
 
 
 # the default tier's time budget (--test-budget): its hooks, loaded here as a plugin of this folder's conftest
-from tests.budget import pytest_addoption, pytest_configure, pytest_runtest_makereport  # noqa: E402, F401
+from tests.budget import (  # noqa: E402, F401
+    pytest_addoption,
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
 
 
 def pytest_sessionstart(session):

@@ -1,13 +1,18 @@
-"""The default tier's time budget (tests/budget.py) fails a test over it with its name and time, charges a shared
-fixture once, charges no wait for another worker's turn, and leaves the slow tier alone: shown on a throwaway test
-file run by pytest's own pytester."""
+"""The default tier's time budget (tests/budget.py): on CI (CI=true) or with FINETUNE_TEST_BUDGET=enforce it fails a
+test over it with its name and time; elsewhere the session ends listing the tests over it with their times, and none
+fails. Either way it charges a shared fixture once, charges no wait for another worker's turn, and leaves the slow tier
+alone: shown on a throwaway test file run by pytest's own pytester."""
 
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
 
 # the plugin is already imported by this folder's conftest: nothing for pytester's run to rewrite
 OPTIONS = ("-p", "tests.budget", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning")
@@ -51,7 +56,27 @@ def test_in_the_slow_tier():
 """
 
 
-def test_a_test_over_the_budget_fails_with_its_name_and_time(pytester):
+def budget_env(monkeypatch, ci: str | None = None, mode: str | None = None) -> None:
+    """CI and FINETUNE_TEST_BUDGET as given (None: unset), whatever the machine running this suite has."""
+    for name, value in (("CI", ci), ("FINETUNE_TEST_BUDGET", mode)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def summary(text: str) -> list[tuple[float, str]]:
+    """(seconds, test) of each line of the session's closing list of tests over the budget, in its order."""
+    tail = text[text.index("over the default tier's budget of 0.4 s (") :] if "budget of 0.4 s (" in text else ""
+    return [(float(s), name) for s, name in re.findall(r"^ +([\d.]+) s  test_timed\.py::(\w+)$", tail, re.M)]
+
+
+OVER = ["test_deliberately_slow", "test_first_to_use_the_shared_fixture"]  # 1.2 s; 0.5 s of the shared fixture
+
+
+@pytest.mark.parametrize("ci, mode", [("true", None), (None, "enforce")], ids=["CI", "enforced here"])
+def test_a_test_over_the_budget_fails_with_its_name_and_time_on_ci_or_when_enforced(pytester, monkeypatch, ci, mode):
+    budget_env(monkeypatch, ci=ci, mode=mode)
     pytester.makepyfile(test_timed=TESTS)
     result = pytester.runpytest(*OPTIONS, "--test-budget=0.4")
     # each error is a teardown's report: the deliberately slow test's, and the shared fixture's first user's
@@ -64,12 +89,67 @@ def test_a_test_over_the_budget_fails_with_its_name_and_time(pytester):
     assert "test_first_to_use_the_shared_fixture took" in text
     assert "test_second_to_use_the_shared_fixture took" not in text and "test_in_the_slow_tier took" not in text
     assert "test_waiting_for_another_workers_turn took" not in text  # 1.2 s, 1.0 of them waiting: not charged
+    assert "2 over the default tier's budget of 0.4 s (failed)" in text
+    listed = summary(text)
+    assert [name for _, name in listed] == OVER and abs(listed[0][0] - float(spent.group(1))) < 0.05, text
 
 
-def test_a_zero_budget_turns_the_check_off(pytester):
+@pytest.mark.parametrize(
+    "ci, mode, workers",
+    [(None, None, ["-n", "2", "--dist", "loadfile"]), ("true", "report", [])],
+    ids=["not CI, on make test's xdist workers", "reported on CI"],
+)
+def test_elsewhere_the_session_lists_the_tests_over_the_budget_with_their_times_and_fails_none(
+    pytester, monkeypatch, ci, mode, workers
+):
+    budget_env(monkeypatch, ci=ci, mode=mode)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # xdist's workers import tests.budget themselves
+    pytester.makepyfile(test_timed=TESTS)
+    result = pytester.runpytest(*OPTIONS, "--test-budget=0.4", *workers)
+    result.assert_outcomes(passed=6)
+    assert result.ret == pytest.ExitCode.OK
+    text = result.stdout.str()
+    assert "2 over the default tier's budget of 0.4 s (reported, not failed)" in text
+    listed = summary(text)
+    assert [name for _, name in listed] == OVER, text  # the slowest first; the same charging rules as on CI
+    assert 1.2 <= listed[0][0] < 5 and 0.5 <= listed[1][0] < listed[0][0], listed
+    assert "FINETUNE_TEST_BUDGET=enforce does here" in text and " took " not in text
+
+
+@pytest.mark.parametrize(
+    "ci, mode, chosen",
+    [
+        ("true", None, "enforce"),
+        ("1", None, "enforce"),
+        (None, None, "report"),
+        ("false", None, "report"),
+        ("", None, "report"),
+        ("false", "enforce", "enforce"),
+        ("true", "report", "report"),  # the variable, set on purpose, wins over the machine's CI
+        (None, " Enforce ", "enforce"),
+    ],
+)
+def test_the_budget_is_enforced_on_ci_and_where_asked_and_reported_elsewhere(monkeypatch, ci, mode, chosen):
+    from tests.budget import budget_mode
+
+    budget_env(monkeypatch, ci=ci, mode=mode)
+    assert budget_mode() == chosen
+
+
+def test_an_unknown_budget_mode_is_a_usage_error(pytester, monkeypatch):
+    budget_env(monkeypatch, mode="strict")
+    pytester.makepyfile(test_timed=TESTS)
+    result = pytester.runpytest(*OPTIONS)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "FINETUNE_TEST_BUDGET='strict': set it to enforce or report" in result.stderr.str()
+
+
+def test_a_zero_budget_turns_the_check_off_even_on_ci(pytester, monkeypatch):
+    budget_env(monkeypatch, ci="true")
     pytester.makepyfile(test_timed=TESTS)
     result = pytester.runpytest(*OPTIONS, "--test-budget=0")
     result.assert_outcomes(passed=6)
+    assert "over the default tier's budget" not in result.stdout.str()
 
 
 HOLD_SHARE = """

@@ -11,6 +11,7 @@ from tests.launch import call
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "recipes" / "debug.yaml")
+DEBUG_TEXT = Path(DEBUG).read_text()
 
 
 def test_recipe_then_overrides_in_order():
@@ -106,6 +107,66 @@ def test_yaml_is_safe_loaded(tmp_path):
     recipe.write_text("model:\n  name_or_path: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_config([f"recipe={recipe}"])
+    recipe.write_text(
+        "model:\n  name_or_path: !!python/object/apply:pathlib.Path ['x']\n"
+    )  # OmegaConf's loader takes it
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_config([f"recipe={recipe}"])
+
+
+# ---- numbers as YAML 1.2 writes them: `1e-5` without a dot is a float (PyYAML's YAML 1.1 left it text) ----
+
+EXPONENTS = {"rms_norm_eps": ("1e-5", 1e-5), "rope_theta": ("1e6", 1e6), "initializer_range": ("-2.5E+3", -2500.0)}
+
+
+def test_exponent_numbers_are_floats_in_a_recipe_file_and_on_the_command_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    lines = "".join(f"    {key}: {text}\n" for key, (text, _) in EXPONENTS.items())
+    recipe.write_text(DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n" + lines))
+    from_file = load_config([f"recipe={recipe}"]).model.config_overrides
+    given = [f"model.config_overrides.{key}={text}" for key, (text, _) in EXPONENTS.items()]
+    from_argv = load_config([f"recipe={DEBUG}", *given]).model.config_overrides
+    in_a_map = load_config([f"recipe={DEBUG}", "model.config_overrides={a: 1e-5, b: [1e6, -2.5E+3]}"])
+    for overrides in (from_file, from_argv):
+        assert {key: overrides[key] for key in EXPONENTS} == {key: value for key, (_, value) in EXPONENTS.items()}
+        assert all(type(overrides[key]) is float for key in EXPONENTS), overrides
+    assert in_a_map.model.config_overrides["a"] == 1e-5 and in_a_map.model.config_overrides["b"] == [1e6, -2500.0]
+    assert type(in_a_map.model.config_overrides["b"][0]) is float
+    assert load_config([f"recipe={DEBUG}", "optim.lr=2e-5", "optim.lr_multipliers={lm_head: 1e1}"]).optim.lr == 2e-5
+    assert load_config([f"recipe={DEBUG}", "log.run_name=2024-05-01"]).log.run_name == "2024-05-01"  # a date: text
+    assert load_config([f"recipe={DEBUG}", "model.config_overrides.tag='1e5'"]).model.config_overrides["tag"] == "1e5"
+
+
+def test_an_exponent_in_config_overrides_reaches_the_model_config_and_the_built_model():
+    from finetune.model import loading
+
+    cfg = load_config([f"recipe={DEBUG}", "model.config_overrides.rms_norm_eps=1e-5", "model.dtype=float32"])
+    folder = loading.model_folder(cfg.model)
+    config = loading.model_config(cfg.model, folder)  # what the run checks before any weight loads
+    assert config.rms_norm_eps == 1e-5 and type(config.rms_norm_eps) is float
+    model = loading.load_model(cfg.model, folder)
+    assert model.config.rms_norm_eps == 1e-5 and model.model.norm.variance_epsilon == 1e-5
+    assert model.config.hidden_size == 64  # the recipe's own overrides still apply
+
+
+def test_exponent_numbers_keep_the_refusals(tmp_path):
+    with pytest.raises(RecipeError, match=r"model.config_overrides.rms_norm_eps=inf is not a finite number"):
+        load_config([f"recipe={DEBUG}", "model.config_overrides.rms_norm_eps=1e400"])  # overflows to inf: refused
+    with pytest.raises(RecipeError, match=r"optim.lr=inf is not finite"):
+        load_config([f"recipe={DEBUG}", "optim.lr=1e999"])
+    with pytest.raises(RecipeError, match=r"model.config_overrides: 'a' is written twice"):
+        load_config([f"recipe={DEBUG}", "model.config_overrides={a: 1e-5, a: 2e-5}"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    eps: 1e-5\n    eps: 1e-6\n")
+    )
+    with pytest.raises(RecipeError, match=r"'eps' is written twice in one mapping \(lines 9 and 10\)"):
+        load_config([f"recipe={recipe}"])
+    recipe.write_text(DEBUG_TEXT.replace("  config_overrides:\n", "  config_overrides:\n    eps: -.inf\n"))
+    with pytest.raises(RecipeError, match=r"model.config_overrides.eps=-inf is not a finite number"):
+        load_config([f"recipe={recipe}"])
+    with pytest.raises(RecipeError, match=r"train.max_steps=1000.0 is not a valid integer"):
+        load_config([f"recipe={DEBUG}", "train.max_steps=1e3"])  # a float where an integer is asked: refused
 
 
 @pytest.mark.subprocess

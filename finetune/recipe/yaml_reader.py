@@ -1,4 +1,9 @@
-"""YAML as a recipe may be written: safe (no Python objects), no key twice in one mapping, aliases bounded, UTF-8.
+"""YAML as a recipe may be written: safe (no Python objects), numbers as YAML 1.2 writes them, no key twice in one
+mapping, aliases bounded, UTF-8.
+
+PyYAML reads YAML 1.1, where a float needs a dot (`1e-5` and `1e6` are text) and a bare date is a datetime. A typed
+key converts the text later, but an open map (model.config_overrides) would hand it on to the model's config as text;
+so a recipe is read as OmegaConf's own loader reads YAML: a float may be written without a dot, and a date stays text.
 
 `yaml.safe_load` keeps the last of two equal keys without a word (a section written twice loses the first), and an
 alias may name a node that names others, so a kilobyte of anchors expands to billions of nodes once OmegaConf copies
@@ -7,6 +12,7 @@ them. Here both are errors, found on the composed node graph before anything is 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +22,23 @@ from finetune.recipe.fields import RecipeError, first_line
 
 MAX_NODES = 20_000  # expanded nodes a recipe may hold: a real one has hundreds; aliases past this are a bomb
 MERGE_TAG = "tag:yaml.org,2002:merge"
+FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2's floats beside 1.1's (the pattern OmegaConf's loader adds): 1e-5, 1e6, 2E+3 (the exponent without a dot)
+FLOAT_1_2 = re.compile(
+    r"""^(?:
+     [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+    |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (merge keys `<<:` may still be overridden)."""
+    """SafeLoader that refuses a key written twice in one mapping (merge keys `<<:` may still be overridden); its
+    scalars resolve as below (YAML 1.2's floats, no timestamps)."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -32,6 +51,13 @@ class _RecipeLoader(yaml.SafeLoader):
                     raise _DuplicateKey(key, seen[key], line)
                 seen[key] = line
         return super().construct_mapping(node, deep)
+
+
+_RecipeLoader.add_implicit_resolver(FLOAT_TAG, FLOAT_1_2, list("-+0123456789."))
+_RecipeLoader.yaml_implicit_resolvers = {  # no timestamps: a date is text, as OmegaConf reads it (it holds no dates)
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in _RecipeLoader.yaml_implicit_resolvers.items()
+}
 
 
 class _DuplicateKey(Exception):
@@ -78,8 +104,8 @@ def _check_expansion(root: yaml.Node, where: str) -> None:
 
 
 def parse_yaml(text: str, where: str) -> Any:
-    """The value `text` holds, as safe_load gives it; RecipeError (naming `where`) for invalid YAML, a key twice in one
-    mapping, or aliases that expand too far."""
+    """The value `text` holds, as safe_load gives it but for YAML 1.2's floats and dates kept as text; RecipeError
+    (naming `where`) for invalid YAML, a key twice in one mapping, or aliases that expand too far."""
     try:
         loader = _RecipeLoader(text)  # its reader refuses characters YAML does not allow (control bytes, surrogates)
     except yaml.YAMLError as e:
