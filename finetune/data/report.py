@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from finetune.core.labels import IGNORE_INDEX
+
 FIELDS = {"reasoning": "reasoning", "tool_calls": "tool calls", "content": "text"}
 
 
@@ -50,7 +52,7 @@ class DataReport:
         "same" for this one's rows of the same conversations), after data.max_length as loading applies it."""
         if labels is None or len(labels) > max_length and truncation == "drop":
             return
-        targets = sum(1 for label in labels[1:max_length] if label != -100)
+        targets = sum(1 for label in labels[1:max_length] if label != IGNORE_INDEX)
         if targets:
             self.other[f"{key}_rows"] += 1
             self.other[f"{key}_targets"] += targets
