@@ -82,7 +82,7 @@ def build(
         cfg.train, cfg.optim, cfg.log, cfg.data, cfg.eval, plan, data.batches, evaluating=bool(data.eval_sets)
     )
     packs = plan.packs if data.eval_sets else plan.training.packs
-    model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, packs)
+    model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, plan.instead_of_packing if packs else None)
     reports = reporting.reports(cfg.train, cfg.log, to_tree(cfg))
     return trainer_cls(
         model=model,
@@ -238,10 +238,11 @@ def load_data(
     return run_data
 
 
-def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenizer, rows: RowKind, packs: bool):
+def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenizer, rows: RowKind, packing: str | None):
     """The model, the same initial weights on every rank and in every run (from_config is seeded with train.seed);
-    packed rows get per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps
-    sdpa, saying why); then the speed levers the recipe turns on (finetune/model/layer_kernels.py)."""
+    packed rows (`packing`: the way out of them, RunPlan.instead_of_packing; None: no rows pack) get per-sequence
+    attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying why); then the
+    speed levers the recipe turns on (finetune/model/layer_kernels.py)."""
     if model_cfg.liger_kernels and rows.images:
         raise RecipeError("model.liger_kernels=true applies to text models; set it false for a vision-language model")
     set_seed(train.seed)
@@ -254,8 +255,10 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     check_moe_balance(train, type(unwrap_peft_model(model)).__name__, has_router_loss(unwrap_peft_model(model)))
     if line := loading.attention_line(model_cfg, unwrap_peft_model(model)):
         reporting.main_print(line)
-    if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
-        reporting.main_print(use_for_packed_rows(model))
+    if (
+        packing is not None
+    ):  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
+        reporting.main_print(use_for_packed_rows(model, packing))
     if train.compile_layers:  # last: the layers are compiled as they will run
         reporting.main_print(layer_kernels.compile_layers(model))
     return model
