@@ -30,7 +30,7 @@ from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
 from finetune.evaluation import metrics, sets
 from finetune.evaluation.prompts import sample_prompts
-from finetune.model import layer_kernels, loading, quantized, vlm
+from finetune.model import describe, layer_kernels, loading, quantized, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.model.sequence_mixers import check_packed_mixers
@@ -51,6 +51,7 @@ from finetune.recipe import (
 from finetune.recipe.checks import levers_on_device, precision_on_device, precision_warning
 from finetune.training import distributed, reporting, schedules
 from finetune.training.arguments import training_arguments
+from finetune.training.optim import optimizer_line
 from finetune.training.recipe_trainer import RecipeTrainer
 
 
@@ -83,6 +84,7 @@ def build(
     )
     packs = plan.packs if data.eval_sets else plan.training.packs
     model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, plan.instead_of_packing if packs else None)
+    reporting.main_print(optimizer_start_line(cfg.train, cfg.optim))
     reports = reporting.reports(cfg.train, cfg.log, to_tree(cfg))
     return trainer_cls(
         model=model,
@@ -248,6 +250,9 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     set_seed(train.seed)
     model = vlm.load_vlm(model_cfg, folder, tokenizer) if rows.images else loading.load_model(model_cfg, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
+    reporting.main_print(describe.weights_line(model))
+    if line := describe.adapter_line(model):
+        reporting.main_print(line)
     if line := quantized.unquantized_experts_line(model, model_cfg):
         reporting.main_print(line)
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
@@ -262,6 +267,13 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     if train.compile_layers:  # last: the layers are compiled as they will run
         reporting.main_print(layer_kernels.compile_layers(model))
     return model
+
+
+def optimizer_start_line(train: TrainConfig, optim: OptimConfig) -> str:
+    """The optimizer as it will step on this machine: on a GPU fused, unless a GradScaler unscales its gradients
+    (train.precision=fp16 outside DeepSpeed, whose own loss scaler is not accelerate's)."""
+    gpu = reporting.has_accelerator()
+    return optimizer_line(optim, gpu, gpu and train.precision == "fp16" and not distributed.uses_deepspeed())
 
 
 def recipe_peak_flops(log: LogConfig) -> float | None:
