@@ -30,7 +30,7 @@ from finetune.data.row_kinds import TEXT_ROWS, RowKind, image_text_rows
 from finetune.env import world_size
 from finetune.evaluation import metrics, sets
 from finetune.evaluation.prompts import sample_prompts
-from finetune.model import layer_kernels, loading, quantized, vlm
+from finetune.model import describe, layer_kernels, loading, quantized, vlm
 from finetune.model.freeze import check_lora
 from finetune.model.packed_attention import use_for_packed_rows
 from finetune.model.sequence_mixers import check_packed_mixers
@@ -51,6 +51,7 @@ from finetune.recipe import (
 from finetune.recipe.checks import levers_on_device, precision_on_device, precision_warning
 from finetune.training import distributed, reporting, schedules
 from finetune.training.arguments import training_arguments
+from finetune.training.optim import optimizer_line
 from finetune.training.recipe_trainer import RecipeTrainer
 
 
@@ -82,7 +83,8 @@ def build(
         cfg.train, cfg.optim, cfg.log, cfg.data, cfg.eval, plan, data.batches, evaluating=bool(data.eval_sets)
     )
     packs = plan.packs if data.eval_sets else plan.training.packs
-    model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, packs)
+    model = load_model(cfg.model, cfg.train, folder, tokenizer, rows, plan.instead_of_packing if packs else None)
+    reporting.main_print(optimizer_start_line(cfg.train, cfg.optim))
     reports = reporting.reports(cfg.train, cfg.log, to_tree(cfg))
     return trainer_cls(
         model=model,
@@ -240,15 +242,19 @@ def load_data(
     return run_data
 
 
-def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenizer, rows: RowKind, packs: bool):
+def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenizer, rows: RowKind, packing: str | None):
     """The model, the same initial weights on every rank and in every run (from_config is seeded with train.seed);
-    packed rows get per-sequence attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps
-    sdpa, saying why); then the speed levers the recipe turns on (finetune/model/layer_kernels.py)."""
+    packed rows (`packing`: the way out of them, RunPlan.instead_of_packing; None: no rows pack) get per-sequence
+    attention (the packed-row probe cannot run a ZeRO-3 partitioned model: it then keeps sdpa, saying why); then the
+    speed levers the recipe turns on (finetune/model/layer_kernels.py)."""
     if model_cfg.liger_kernels and rows.images:
         raise RecipeError("model.liger_kernels=true applies to text models; set it false for a vision-language model")
     set_seed(train.seed)
     model = vlm.load_vlm(model_cfg, folder, tokenizer) if rows.images else loading.load_model(model_cfg, folder)
     reporting.main_print(reporting.parameters_line(model))  # after model.freeze and LoRA: what trains
+    reporting.main_print(describe.weights_line(model))
+    if line := describe.adapter_line(model):
+        reporting.main_print(line)
     if line := quantized.unquantized_experts_line(model, model_cfg):
         reporting.main_print(line)
     if model_cfg.liger_kernels:  # on the transformers model under a LoRA wrapper: its norm and MLP modules stay
@@ -256,11 +262,20 @@ def load_model(model_cfg: ModelConfig, train: TrainConfig, folder: str, tokenize
     check_moe_balance(train, type(unwrap_peft_model(model)).__name__, has_router_loss(unwrap_peft_model(model)))
     if line := loading.attention_line(model_cfg, unwrap_peft_model(model)):
         reporting.main_print(line)
-    if packs:  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
-        reporting.main_print(use_for_packed_rows(model))
+    if (
+        packing is not None
+    ):  # sdpa → causal sdpa per sequence (a VLM: in its language model) where it gives the same logits
+        reporting.main_print(use_for_packed_rows(model, packing))
     if train.compile_layers:  # last: the layers are compiled as they will run
         reporting.main_print(layer_kernels.compile_layers(model))
     return model
+
+
+def optimizer_start_line(train: TrainConfig, optim: OptimConfig) -> str:
+    """The optimizer as it will step on this machine: on a GPU fused, unless a GradScaler unscales its gradients
+    (train.precision=fp16 outside DeepSpeed, whose own loss scaler is not accelerate's)."""
+    gpu = reporting.has_accelerator()
+    return optimizer_line(optim, gpu, gpu and train.precision == "fp16" and not distributed.uses_deepspeed())
 
 
 def recipe_peak_flops(log: LogConfig) -> float | None:

@@ -143,7 +143,7 @@ def test_a_rank_count_that_does_not_divide_the_global_batch_names_the_numbers(mo
     with pytest.raises(
         RecipeError,
         match=r"train.global_batch_size=8 is not divisible by train.micro_batch_size=4 "
-        r"× 3 ranks = 12; set train.global_batch_size to a multiple of 12",
+        r"× 3 ranks = 12; set train.global_batch_size=12 \(a multiple of 12\)$",
     ):
         launch_check(cfg, {"WORLD_SIZE": "3"})
     monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets in every rank: load_config already refuses

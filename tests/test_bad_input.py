@@ -171,7 +171,7 @@ CASES = [
         lambda t: ["train.global_batch_size=10"],
         {},
         r"^error: train\.global_batch_size=10 is not divisible by train\.micro_batch_size=4 × 1 rank = 4; set "
-        r"train\.global_batch_size to a multiple of 4 \(e\.g\. 8 or 12\)$",
+        r"train\.global_batch_size=8 or train\.global_batch_size=12 \(a multiple of 4\)$",
     ),
     (
         "unwritable output directory",

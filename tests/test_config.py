@@ -184,6 +184,6 @@ def test_fp16_on_a_machine_without_gpu_is_an_error_not_silent_fp32(tmp_path):
         timeout=300,
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"
+        "error: train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or train.precision=fp32"
     ]
     assert not out.exists()

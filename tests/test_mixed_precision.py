@@ -212,7 +212,7 @@ def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
             ["train.precision=fp16"],
             None,
             False,
-            "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32",
+            "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or train.precision=fp32",
         ),
         (
             ["train.precision=bf16"],
@@ -220,7 +220,7 @@ def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
             False,
             "train.precision=bf16 needs bf16, which this GPU (Tesla V100-SXM2-16GB) does not have "
             "(Ampere or newer does); "
-            "use train.precision=fp16 with model.dtype=float32, or fp32",
+            "use train.precision=fp16 with model.dtype=float32, or train.precision=fp32",
         ),
         (
             ["train.precision=bf16", "model.dtype=bfloat16"],
@@ -228,7 +228,8 @@ def test_fp16_for_a_model_loaded_in_bf16_is_one_error_naming_both_keys():
             False,
             "train.precision=bf16 and model.dtype=bfloat16 needs bf16, which this GPU (Tesla T4) does not have "
             "(Ampere or "
-            "newer does); use train.precision=fp16 with model.dtype=float32, or fp32",
+            "newer does); use train.precision=fp16 with model.dtype=float32, or train.precision=fp32 with "
+            "model.dtype=float32",
         ),
         (["train.precision=bf16"], "NVIDIA H100 80GB HBM3", True, None),
         (["train.precision=bf16"], None, False, None),  # CPU autocast runs bf16

@@ -110,14 +110,20 @@ def test_packed_training_is_exact(tmp_path):
 
 def test_switched_on_only_for_sdpa_and_only_where_the_probe_agrees(monkeypatch):
     model = tiny_llama()
-    assert "packed_sdpa" in use_for_packed_rows(model) and model.config._attn_implementation == NAME
+    assert (
+        "packed_sdpa" in use_for_packed_rows(model, "data.batching=padded")
+        and model.config._attn_implementation == NAME
+    )
     eager = tiny_llama()
     eager.config._attn_implementation = "eager"
-    assert use_for_packed_rows(eager).startswith("attention: eager") and eager.config._attn_implementation == "eager"
+    assert (
+        use_for_packed_rows(eager, "data.batching=padded").startswith("attention: eager")
+        and eager.config._attn_implementation == "eager"
+    )
     # an implementation that let attention cross sequences would be caught by the probe, and sdpa kept
     monkeypatch.setattr(packed_attention, "sequence_bounds", lambda batch, length, kwargs: [[(0, length)]] * batch)
     leaky = tiny_llama()
-    line = use_for_packed_rows(leaky)
+    line = use_for_packed_rows(leaky, "data.batching=padded")
     assert "differ from sdpa's" in line and leaky.config._attn_implementation == "sdpa"
 
 
@@ -135,7 +141,10 @@ def test_sliding_window_models_keep_sdpa():
         attn_implementation="sdpa",
     )
     model = MistralForCausalLM(config)
-    assert "sliding-window" in use_for_packed_rows(model) and model.config._attn_implementation == "sdpa"
+    assert (
+        "sliding-window" in use_for_packed_rows(model, "data.batching=padded")
+        and model.config._attn_implementation == "sdpa"
+    )
 
 
 def test_build_uses_it_for_packed_batching_only(tmp_path, capsys):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from finetune.model import loading
+from finetune.model import describe, loading
 from finetune.model.freeze import check_lora
 from finetune.recipe import RecipeError, load_config
 from tests.launch import ROOT, run
@@ -242,3 +242,100 @@ def test_a_qlora_run_with_an_evaluation_prints_nothing_on_stderr(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr == "", result.stderr
     assert "eval loss" in result.stdout or "eval_loss" in result.stdout, result.stdout[-2000:]
+
+
+# ---- the start-up lines: what trains, read from the loaded model ----
+
+# the debug Llama's frozen parameters outside its 14 linear layers: the tied embedding (SmolLM2's 49,152 tokens × 64)
+# and 5 RMSNorm weights of 64 (2 per layer and the last)
+FROZEN_OUTSIDE = 49_152 * 64 + 5 * 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's unpaged fallback (a GPU pages the states)")
+def test_the_start_up_lines_say_the_quantization_the_adapter_and_the_optimizer_as_it_runs(tmp_path, capsys, recwarn):
+    """A 4-bit NF4 base with LoRA and paged 8-bit AdamW on a CPU: the start says how the weights are held, what the
+    adapter is and that paging falls back to unpaged here, once, in the project's words; bitsandbytes' own warning
+    of the fallback is issued at the first step (the optimizer records it) but filtered, not shown raw."""
+    from finetune.assemble import build
+
+    argv = [*QLORA, "model.lora.r=16", "model.lora.alpha=32", "optim.name=paged_adamw_8bit", "train.max_steps=1"]
+    cfg = load_config([*argv, "data.limit=16", f"train.output_dir={tmp_path}", "log.wandb_mode=disabled"])
+    trainer = build(cfg)
+    trainer.train()
+    lines = capsys.readouterr().out.splitlines()
+    said = {line.split(":", 1)[0]: line for line in lines if line.startswith(("weights:", "LoRA:", "optimizer:"))}
+    assert said == {
+        "weights": "weights: 4-bit NF4, double quantization, compute dtype float32 (bitsandbytes) in 14 linear "
+        f"layers; the other {FROZEN_OUTSIDE:,} frozen parameters in float32",
+        "LoRA": "LoRA: rank 16, alpha 32 (scale 2), dropout 0 on 14 layers (down_proj, gate_proj, k_proj, o_proj, "
+        "q_proj, up_proj, v_proj); adapters in float32",
+        "optimizer": "optimizer: paged_adamw_8bit (bitsandbytes PagedAdamW8bit, 8-bit states for tensors of 4,096+ "
+        "elements; paging is CUDA-only, on this CPU it runs unpaged)",
+    }, lines
+    assert sum(line.startswith("optimizer:") for line in lines) == 1
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert optimizer.is_paged and optimizer._cpu_paged_warned  # bitsandbytes took its CPU fallback and warned
+    assert not [w for w in recwarn if "Paged optimizers" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_the_weights_line_reads_fp4_the_compute_dtype_and_8_bit_from_the_layers():
+    fp4 = loaded(
+        [
+            *QLORA,
+            "model.quantization.bnb_4bit_quant_type=fp4",
+            "model.quantization.bnb_4bit_use_double_quant=false",
+            "model.quantization.bnb_4bit_compute_dtype=bfloat16",
+        ]
+    )
+    assert describe.weights_line(fp4) == (
+        "weights: 4-bit FP4, no double quantization, compute dtype bfloat16 (bitsandbytes) in 14 linear layers; the "
+        f"other {FROZEN_OUTSIDE:,} frozen parameters in float32"
+    )
+    eight = loaded([*QLORA, "model.quantization.bits=8", "model.lora.target_modules=[q_proj, v_proj]"])
+    assert describe.weights_line(eight) == (
+        "weights: 8-bit LLM.int8, outlier threshold 6 (bitsandbytes) in 14 linear layers; the other "
+        f"{FROZEN_OUTSIDE:,} frozen parameters in float32"
+    )
+    # the recipe's defaults: rank 8, alpha 16; adapters on q_proj and v_proj of both layers
+    assert describe.adapter_line(eight) == (
+        "LoRA: rank 8, alpha 16 (scale 2), dropout 0 on 4 layers (q_proj, v_proj); adapters in float32"
+    )
+    plain = loaded([DEBUG, "model.dtype=bfloat16"])
+    assert describe.weights_line(plain) == "weights: bfloat16" and describe.adapter_line(plain) is None
+
+
+@pytest.mark.parametrize(
+    "name, gpu, expected",
+    [
+        ("adamw", False, "optimizer: adamw (torch AdamW, foreach)"),
+        ("adamw", True, "optimizer: adamw (torch AdamW, fused)"),
+        ("sgd", False, "optimizer: sgd (torch SGD, foreach)"),
+        ("lamb", True, "optimizer: lamb (LAMB on torch's foreach ops, finetune/training/optim.py)"),
+        (
+            "adamw_8bit",
+            False,
+            "optimizer: adamw_8bit (bitsandbytes AdamW8bit, 8-bit states for tensors of 4,096+ elements)",
+        ),
+        (
+            "paged_adamw",
+            False,
+            "optimizer: paged_adamw (bitsandbytes PagedAdamW, 32-bit states; paging is CUDA-only, on this CPU it runs "
+            "unpaged)",
+        ),
+        (
+            "paged_adamw_8bit",
+            True,
+            "optimizer: paged_adamw_8bit (bitsandbytes PagedAdamW8bit, 8-bit states for tensors of 4,096+ elements; "
+            "states of 100k+ elements paged to host memory when the GPU runs short)",
+        ),
+    ],
+)
+def test_the_optimizer_line_names_the_implementation_that_steps(name, gpu, expected):
+    from finetune.recipe import OptimConfig
+    from finetune.training.optim import build_optimizer, optimizer_line
+
+    assert optimizer_line(OptimConfig(name=name), gpu) == expected
+    if name in ("adamw", "sgd") and not gpu:  # the line's implementation is the one build_optimizer picks
+        built = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(name=name), 1e-3)
+        assert built.defaults["foreach"] and not built.defaults.get("fused")
+    assert optimizer_line(OptimConfig(name="adamw"), True, grad_scaled=True).endswith("foreach)")  # fp16's GradScaler

@@ -43,6 +43,19 @@ def test_packing_is_refused_in_one_line_before_the_model_loads(family, tokenizer
     assert "parameters:" not in result.stdout and not out.exists()  # refused before the weights
 
 
+def test_the_refusals_way_out_trains_as_written(tokenizer, tmp_path, capfd):
+    """The token budget the refusal names, every key with its value, is the one next run: it trains."""
+    folder = family_folder(tmp_path, "lfm2", tokenizer)
+    model = [*DEBUG, f"model.name_or_path={folder}", "model.gguf_file=null", "train.max_steps=1"]
+    refused = call(capfd, [*model, "data.batching=packed", f"train.output_dir={tmp_path / 'refused'}"])
+    error = next(line for line in refused.stderr.splitlines() if line.startswith("error:"))
+    way = error.rsplit("; set ", 1)[1].split(" or ")[0].split()
+    # debug micro-batch 4 × data.max_length 64; global batch 8 × 64
+    assert way == ["data.batching=token_budget", "data.max_tokens_per_micro_batch=256", "train.global_batch_tokens=512"]
+    trained = call(capfd, [*model, "data.batching=packed", *way, f"train.output_dir={tmp_path / 'out'}"])
+    assert trained.returncode == 0 and "error:" not in trained.stderr, trained.stderr[-3000:]
+
+
 def test_attention_only_models_are_not_refused():
     for family in ("llama", "qwen3", "gemma3_text", "gpt_oss", "qwen3_moe", "mixtral", "deepseek_v3"):
         assert stateful_mixers(AutoConfig.for_model(family)) == [], family

@@ -223,6 +223,6 @@ def test_packed_training_through_the_varlen_path_is_exact(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_without_cuda_packed_rows_run_per_sequence():
     model = LlamaForCausalLM(tiny_llama().config)
-    line = packed_attention.use_for_packed_rows(model)
+    line = packed_attention.use_for_packed_rows(model, "data.batching=padded")
     assert model.config._attn_implementation == NAME and "varlen" not in line
     assert packed_attention.register().varlen is None

@@ -74,7 +74,7 @@ def test_packed_mrope_rows_match_the_float64_per_sequence_reference(family, atte
     initial = tiny(family)
     model = copy.deepcopy(initial)
     if attention == "packed_sdpa":
-        assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
+        assert use_for_packed_rows(model, "data.batching=padded").startswith("attention: packed_sdpa")
     processor = image_processor()
     inner = VisionCollator(
         row_collator(Batching("packed", 1, None), None),

@@ -69,7 +69,7 @@ def test_packed_image_rows_match_the_float64_per_row_reference(proc, attention, 
     initial = prepared(proc)
     model = copy.deepcopy(initial)
     if attention == "packed_sdpa":
-        assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
+        assert use_for_packed_rows(model, "data.batching=padded").startswith("attention: packed_sdpa")
         assert model.config.vision_config._attn_implementation == "sdpa"  # the tower keeps its own attention
     inner = VisionCollator(row_collator(Batching("packed", 1, None), proc.tokenizer), proc)
     collator = Recording(inner)
@@ -196,7 +196,9 @@ def test_bad_packed_image_input_is_one_line_exit_2(tiny_vlm_folder, tmp_path, ca
     )
     assert re.match(
         r"^error: model\.name_or_path=\S+gemma3: data\.batching=packed cannot pack its image rows exactly: part of "
-        r"each sequence attends both ways \(token_type_ids\).*; set data\.batching=token_budget \(.*\) or padded$",
+        r"each sequence attends both ways \(token_type_ids\).*; set data\.batching=token_budget "
+        r"data\.max_tokens_per_micro_batch=\d+ train\.global_batch_tokens=\d+ or data\.batching=padded "
+        r"\(token_budget: .*\)$",
         line,
     ), line
     rows = tmp_path / "rows.jsonl"

@@ -76,6 +76,5 @@ def check_packing(model: ModelConfig, plan: RunPlan, config) -> None:
     if why:
         raise RecipeError(
             f"model.name_or_path={model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} cannot pack "
-            f"its image rows exactly: {why}; set {' and '.join(k + '=token_budget' for k in asked)} (rows of similar "
-            "length batched to a token budget: most of packing's speed, each row attended alone) or padded"
+            f"its image rows exactly: {why}; set {plan.instead_of_packing}"
         )

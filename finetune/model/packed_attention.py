@@ -236,30 +236,30 @@ def config_reason(config) -> str | None:
     return None
 
 
-def check_packed_row(model, attention: str) -> None:
+def check_packed_row(model, attention: str, instead: str) -> None:
     """Refuse packed rows, in one line, where the model's own attention lets a packed row's sequences see one another
-    or cannot run one (the packed probe: its logits against each sequence run alone)."""
+    or cannot run one (the packed probe: its logits against each sequence run alone); `instead`: the overrides that
+    batch them otherwise (RunPlan.instead_of_packing)."""
     if why := packed_row_error(model):
         raise RecipeError(
             f"packed rows (data.batching or eval.batching=packed): {type(model).__name__} with attention {attention} "
-            f"does not keep the sequences of a packed row apart: {why}; set data.batching (and eval.batching) to "
-            "token_budget or padded"
+            f"does not keep the sequences of a packed row apart: {why}; set {instead}"
         )
 
 
-def use_for_packed_rows(model) -> str:
+def use_for_packed_rows(model, instead: str) -> str:
     """Switch a text model (a VLM: its language model) on `sdpa` to `packed_sdpa` where a probe shows the same logits;
-    the start-up line."""
+    the start-up line. `instead`: the way out where packing is refused (RunPlan.instead_of_packing)."""
     text = model.config.get_text_config()
     current = text._attn_implementation
     if current != "sdpa":
         if "flash" not in current:  # flash kernels: varlen from position_ids
-            check_packed_row(model, current)
+            check_packed_row(model, current, instead)
         return f"attention: {current} (per-sequence packed attention replaces sdpa only)"
     attention = register()
     reason = config_reason(text) or probe_error(model)
     if reason is not None:  # sdpa stays: its block-diagonal mask must keep the row's sequences apart
-        check_packed_row(model, current)
+        check_packed_row(model, current, instead)
         return f"attention: sdpa with a block-diagonal mask over each packed row (per-sequence attention: {reason})"
     text._attn_implementation = NAME
     if attention.varlen is None and torch.cuda.is_available():

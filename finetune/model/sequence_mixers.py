@@ -38,7 +38,5 @@ def check_packed_mixers(model: ModelConfig, plan: RunPlan, config) -> None:
         raise RecipeError(
             f"model.name_or_path={model.name_or_path}: {' and '.join(k + '=packed' for k in asked)} would carry the "
             f"state of its {', '.join(kinds)} layers from one sequence of a packed row into the next (their state "
-            "and convolution window run along the row); set "
-            f"{' and '.join(k + '=token_budget' for k in asked)} (rows of similar length batched to a token budget: "
-            "most of packing's speed, each row alone) or padded"
+            f"and convolution window run along the row); set {plan.instead_of_packing}"
         )

@@ -11,7 +11,13 @@ from finetune.recipe.batch_modes import Batching
 from finetune.recipe.bounds import check_numbers
 from finetune.recipe.fields import RecipeError
 from finetune.recipe.schema import CHOICES, Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, choice_error
-from finetune.recipe.set_checks import check_batching, check_eval, check_mixture, training_batching
+from finetune.recipe.set_checks import (
+    check_batching,
+    check_eval,
+    check_mixture,
+    global_batch_in_tokens,
+    training_batching,
+)
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -31,9 +37,12 @@ def accumulation_steps(config: Config, ranks: int) -> int:
     train, data = config.train, config.data
     if is_budgeted(data):
         if not train.global_batch_tokens:
+            per_step = data.max_tokens_per_micro_batch * ranks
+            tokens = max(1, round(train.global_batch_size * data.max_length / per_step)) * per_step
             raise RecipeError(
                 f"data.batching={data.batching} with data.max_tokens_per_micro_batch fills micro-batches by tokens; "
-                f"set train.global_batch_tokens (a multiple of {data.max_tokens_per_micro_batch} × {ranks} ranks)"
+                f"set train.global_batch_tokens={tokens} (a multiple of {data.max_tokens_per_micro_batch} × {ranks} "
+                f"rank{'s' if ranks != 1 else ''}, near train.global_batch_size rows of data.max_length)"
             )
         total, per_micro_step = train.global_batch_tokens, data.max_tokens_per_micro_batch * ranks
         names = f"train.global_batch_tokens={total} is not divisible by data.max_tokens_per_micro_batch="
@@ -53,11 +62,11 @@ def accumulation_steps(config: Config, ranks: int) -> int:
         names = f"train.global_batch_size={total} is not divisible by train.micro_batch_size={train.micro_batch_size}"
     if total % per_micro_step:
         lower = total // per_micro_step * per_micro_step
-        options = " or ".join(str(v) for v in (lower, lower + per_micro_step) if v > 0)
         key = names.split("=", 1)[0]
+        options = " or ".join(f"{key}={v}" for v in (lower, lower + per_micro_step) if v > 0)
         raise RecipeError(
             f"{names} × {ranks} rank{'s' if ranks != 1 else ''} = {per_micro_step}; "
-            f"set {key} to a multiple of {per_micro_step} (e.g. {options})"
+            f"set {options} (a multiple of {per_micro_step})"
         )
     return total // per_micro_step
 
@@ -107,7 +116,8 @@ def check_config(config: Config) -> None:
     check_mappings(config)
     check_named(config)
     check_run_length(config)
-    check_batching(training_batching(config), config.data.max_length, config.data.streaming)
+    data = config.data
+    check_batching(training_batching(config), data.max_length, data.streaming, global_batch_in_tokens(config))
     check_mixture(config.data)
     check_optim_and_schedule(config)
     check_quantization(config.model, config.optim)
@@ -152,10 +162,12 @@ def check_lr_scaling(config: Config) -> None:
     """LR scaling names the batch its lr was tuned for (said before that batch's own bounds: 0 means unset)."""
     o = config.optim
     if o.lr_scaling != "none" and not o.base_batch_size:
-        unit = "tokens, as train.global_batch_tokens" if config.train.global_batch_tokens else "sequences"
+        tokens = config.train.global_batch_tokens
+        unit = "tokens, as train.global_batch_tokens" if tokens else "sequences"
         raise RecipeError(
             f"optim.lr_scaling={o.lr_scaling} needs optim.base_batch_size (the global batch optim.lr was tuned for, in "
-            f"{unit})"
+            f"{unit}); set optim.base_batch_size={tokens or config.train.global_batch_size} where optim.lr was tuned "
+            "at this run's global batch"
         )
 
 
@@ -215,7 +227,7 @@ def precision_on_device(train: TrainConfig, model: ModelConfig, gpu_name: str | 
     """What the recipe's precision cannot do on this device (None: it can). `gpu_name`: the CUDA device, None on a CPU
     (accelerate runs fp16 there as plain fp32: no autocast, no GradScaler)."""
     if train.precision == "fp16" and gpu_name is None:
-        return "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or fp32"
+        return "train.precision=fp16 needs a GPU; on a CPU use train.precision=bf16 or train.precision=fp32"
     wants_bf16 = [
         f"{k}={v}"
         for k, v, wanted in (
@@ -225,9 +237,10 @@ def precision_on_device(train: TrainConfig, model: ModelConfig, gpu_name: str | 
         if v == wanted
     ]
     if gpu_name is not None and not gpu_has_bf16 and wants_bf16:
+        fp32 = "train.precision=fp32" + (" with model.dtype=float32" if model.dtype == "bfloat16" else "")
         return (
             f"{' and '.join(wants_bf16)} needs bf16, which this GPU ({gpu_name}) "
-            "does not have (Ampere or newer does); use train.precision=fp16 with model.dtype=float32, or fp32"
+            f"does not have (Ampere or newer does); use train.precision=fp16 with model.dtype=float32, or {fp32}"
         )
     return None
 

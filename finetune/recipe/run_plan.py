@@ -16,7 +16,14 @@ from finetune.recipe.batch_modes import Batching
 from finetune.recipe.checks import accumulation_steps
 from finetune.recipe.fields import RecipeError
 from finetune.recipe.schema import Config, choice_error
-from finetune.recipe.set_checks import eval_batching, eval_set_names, evaluates, ignored_eval_keys, training_batching
+from finetune.recipe.set_checks import (
+    eval_batching,
+    eval_set_names,
+    evaluates,
+    ignored_eval_keys,
+    instead_of_packing,
+    training_batching,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class RunPlan:
     peak_lr: float  # optim.lr after optim.lr_scaling to the global batch
     run_name: str  # log.run_name, else named after the recipe file, global batch size and lr
     ignored_eval_keys: tuple[str, ...]  # eval keys given that mean nothing without an eval set (said at start)
+    instead_of_packing: str  # overrides that batch the packed sets otherwise, each runs as written: the way out
 
     @property
     def evaluates(self) -> bool:
@@ -58,6 +66,7 @@ def resolve_plan(config: Config, ranks: int) -> RunPlan:
         peak_lr=peak_lr(config),
         run_name=run_name(config),
         ignored_eval_keys=tuple(ignored_eval_keys(config)),
+        instead_of_packing=instead_of_packing(config),
     )
 
 

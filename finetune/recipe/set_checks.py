@@ -24,18 +24,28 @@ def eval_batching(ev: EvalConfig) -> Batching:
     return Batching(ev.batching, ev.micro_batch_size, ev.max_tokens_per_micro_batch, "eval")
 
 
-def check_batching(batching: Batching, max_length: int, streaming: bool = False) -> None:
-    """One set's batching keys (data.* for training, eval.* for the eval set) against the modes' table."""
+def check_batching(batching: Batching, max_length: int, streaming: bool = False, with_budget: tuple = ()) -> None:
+    """One set's batching keys (data.* for training, eval.* for the eval set) against the modes' table. `with_budget`:
+    the other overrides a token budget of this set needs (training's: `budget_keys`)."""
     key, mode, budget = batching.section, batching.mode, batching.max_tokens
     if streaming and batching.needs_lengths_up_front:
+        way = f"{key}.batching=padded or {key}.batching=packed"
+        if batching.budgeted:  # the budget's keys go too: the global batch is counted in sequences again
+            way = f"batch the stream padded or packed without {key}.max_tokens_per_micro_batch and its global batch"
         raise RecipeError(
             f"{key}.batching={mode} sorts or budgets rows by length, which a stream does not know up "
-            f"front; use {key}.batching=padded or packed (without {key}.max_tokens_per_micro_batch), or "
-            "data.streaming=false"
+            f"front; set data.streaming=false, or {way}"
         )
     if MODES[mode].budget == "required" and not budget:
         unit = "tokens per eval micro-batch" if key == "eval" else "tokens per micro-batch"
-        raise RecipeError(f"{key}.batching={mode} needs {key}.max_tokens_per_micro_batch ({unit})")
+        rows = batching.rows_per_micro_batch
+        if not isinstance(rows, int):  # train.micro_batch_size=auto: refused with a budget (checks.py)
+            raise RecipeError(f"{key}.batching={mode} needs {key}.max_tokens_per_micro_batch ({unit})")
+        keys = " ".join([f"{key}.max_tokens_per_micro_batch={rows * max_length}", *with_budget])
+        raise RecipeError(
+            f"{key}.batching={mode} needs {key}.max_tokens_per_micro_batch ({unit}); set {keys} ({rows} rows of "
+            "data.max_length)"
+        )
     if budget and MODES[mode].budget == "no":
         raise RecipeError(
             f"{key}.max_tokens_per_micro_batch applies to {key}.batching=token_budget or packed, not "
@@ -46,6 +56,57 @@ def check_batching(batching: Batching, max_length: int, streaming: bool = False)
             f"{key}.max_tokens_per_micro_batch={budget} is below data.max_length={max_length}: a "
             "longest row would not fit; raise the budget or lower data.max_length"
         )
+
+
+def instead_of_packing(config: Config) -> str:
+    """How each packed set (training; eval where there is one) is batched without packing, as alternatives of
+    overrides that each run as written ("" where nothing packs): a token budget with every key it needs given a
+    value, or padded rows where that alone runs."""
+    sets = [training_unpacked(config)] if MODES[config.data.batching].packs else []
+    if evaluates(config) and MODES[config.eval.batching].packs:
+        sets.append(eval_unpacked(config.eval, config.data.max_length))
+    budgeted = [o for budget, padded in sets for o in budget or padded]
+    padded = [o for budget, padded in sets for o in padded or budget]
+    ways = " or ".join(" ".join(way) for way in ([budgeted, padded] if padded != budgeted else [budgeted]) if way)
+    if "=token_budget" in ways:
+        ways += " (token_budget: rows of similar length batched to a budget, most of packing's speed, each row alone)"
+    return ways
+
+
+def training_unpacked(config: Config) -> tuple[list[str], list[str]]:
+    """(the overrides that batch packed training rows to a token budget, those that pad them) where each runs alone,
+    else []. The budget is the one set, else the micro-batch's rows × data.max_length. A stream cannot be budgeted
+    (its lengths come late)."""
+    data, train = config.data, config.train
+    if data.streaming:
+        return [], ["data.batching=padded"]
+    if data.max_tokens_per_micro_batch:  # packed to a budget: train.global_batch_tokens is set too
+        return ["data.batching=token_budget"], []
+    rows = train.micro_batch_size if isinstance(train.micro_batch_size, int) else 1  # auto: resolved before a refusal
+    budget = f"data.max_tokens_per_micro_batch={rows * data.max_length}"
+    return ["data.batching=token_budget", budget, *global_batch_in_tokens(config)], ["data.batching=padded"]
+
+
+def global_batch_in_tokens(config: Config) -> list[str]:
+    """The overrides that count a training global batch in tokens, where it is counted in sequences ([] where it is
+    not): train.global_batch_tokens = train.global_batch_size × data.max_length (the same micro-batches per step at
+    a budget of the micro-batch's rows × data.max_length), and optim.base_batch_size scaled alike where
+    optim.lr_scaling reads it, so that the peak lr stays."""
+    train, optim, length = config.train, config.optim, config.data.max_length
+    if train.global_batch_tokens:
+        return []
+    keys = [f"train.global_batch_tokens={train.global_batch_size * length}"]
+    if optim.lr_scaling != "none" and optim.base_batch_size:
+        keys.append(f"optim.base_batch_size={optim.base_batch_size * length}")
+    return keys
+
+
+def eval_unpacked(ev: EvalConfig, max_length: int) -> tuple[list[str], list[str]]:
+    """As `training_unpacked`, for packed eval rows: the budget set, else eval's micro-batch rows × data.max_length."""
+    if ev.max_tokens_per_micro_batch:
+        return ["eval.batching=token_budget"], []
+    budget = f"eval.max_tokens_per_micro_batch={ev.micro_batch_size * max_length}"
+    return ["eval.batching=token_budget", budget], ["eval.batching=padded"]
 
 
 def evaluates(config: Config) -> bool:

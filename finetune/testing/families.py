@@ -148,7 +148,10 @@ def two_rank_batching(family: str) -> str:
 # (finetune/model/sequence_mixers.py), or an attention whose packed rows cross sequences (the packed probe,
 # finetune/model/packed_probe.py: gpt-oss builds its masks without the position_ids)
 STATE = r"data\.batching=packed would carry the state of its .+ layers .* set data\.batching=token_budget"
-CROSSING = r"does not keep the sequences of a packed row apart: .*\(they attend to one another\).* token_budget"
+CROSSING = (
+    r"does not keep the sequences of a packed row apart: .*\(they attend to one another\); set "
+    r"data\.batching=token_budget"
+)
 REFUSED = {
     **{(family, "packed"): STATE for family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "bamba")},
     ("gpt_oss", "packed"): CROSSING,

@@ -13,6 +13,7 @@ foreach norms of DTensor shards are whole-tensor norms, so trust ratios equal th
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ NORM_NAMES = ("norm", "layernorm", "rmsnorm", "ln_")
 # optim.name -> bitsandbytes' class: AdamW with 8-bit blockwise-quantized states (tensors of 4096+ elements; smaller
 # ones keep 32-bit states), and paged states (CUDA unified memory; plain host tensors on a CPU)
 BNB_ADAMW = {"adamw_8bit": "AdamW8bit", "paged_adamw_8bit": "PagedAdamW8bit", "paged_adamw": "PagedAdamW"}
+# bitsandbytes' warning at a paged optimizer's first step on a CPU (states unpaged there): `optimizer_line` says it
+PAGED_ON_CPU = r"Paged optimizers are not supported on CPU\. Falling back to non-paged optimizer behavior\."
 
 
 def is_exempt(module: nn.Module, param_name: str) -> bool:
@@ -236,7 +239,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, grad_scaled: 
     groups = param_groups(model, cfg, lr)
     for group in groups:
         group.pop("names")
-    impl = step_implementation(any(p.is_cuda for g in groups for p in g["params"]), grad_scaled)
+    on_gpu = any(p.is_cuda for g in groups for p in g["params"])
+    impl = step_implementation(on_gpu, grad_scaled)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
     if cfg.name == "sgd":
@@ -248,5 +252,23 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, grad_scaled: 
     if cfg.name in BNB_ADAMW:
         import bitsandbytes as bnb
 
+        if cfg.name.startswith("paged") and not on_gpu:  # the start-up line said it runs unpaged
+            warnings.filterwarnings("ignore", PAGED_ON_CPU, UserWarning, r"bitsandbytes\.optim\.optimizer")
         return getattr(bnb.optim, BNB_ADAMW[cfg.name])(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps)
     raise choice_error("optim.name", cfg.name)
+
+
+def optimizer_line(cfg: OptimConfig, on_gpu: bool, grad_scaled: bool = False) -> str:
+    """`optimizer: adamw (torch AdamW, foreach)`: the optimizer as `build_optimizer` makes it on this device; a paged
+    bitsandbytes AdamW on a CPU runs unpaged, said here (bitsandbytes' own warning of it is filtered)."""
+    impl = next(iter(step_implementation(on_gpu, grad_scaled)))
+    if cfg.name in ("adamw", "sgd"):
+        return f"optimizer: {cfg.name} (torch {'AdamW' if cfg.name == 'adamw' else 'SGD'}, {impl})"
+    if cfg.name in ("lamb", "lars"):
+        return f"optimizer: {cfg.name} ({cfg.name.upper()} on torch's foreach ops, finetune/training/optim.py)"
+    states = "8-bit states for tensors of 4,096+ elements" if cfg.name.endswith("8bit") else "32-bit states"
+    line = f"optimizer: {cfg.name} (bitsandbytes {BNB_ADAMW[cfg.name]}, {states}"
+    if cfg.name.startswith("paged"):
+        paged = "states of 100k+ elements paged to host memory when the GPU runs short"
+        line += f"; {paged}" if on_gpu else "; paging is CUDA-only, on this CPU it runs unpaged"
+    return line + ")"

@@ -24,7 +24,7 @@ from tests.mrope_models import ROWS, image_processor, tiny
 
 def main(out: str) -> None:
     model = tiny("qwen2_5_vl")
-    assert use_for_packed_rows(model).startswith("attention: packed_sdpa")
+    assert use_for_packed_rows(model, "data.batching=padded").startswith("attention: packed_sdpa")
     processor = SimpleNamespace(image_processor=image_processor())
     collator = VisionCollator(
         row_collator(Batching("packed", 1, None), None), processor, ImageInputs(**forward_inputs(model.config))
