@@ -244,7 +244,7 @@ def with_balance(model, micro_batches, reading, reference: dict, parts: list | N
     the coefficient × the mean over the window's micro-batches of each one's balancing loss (train.moe_balance=micro,
     as finetune/core/token_mean.py's balance_share weighs it), or × the whole window's (window). Unchanged for a model
     without one. `reading`: (a micro-batch's model inputs, train.moe_balance)."""
-    from finetune.core.heads import balance_coefficient
+    from finetune.core.router_weight import balance_coefficient
     from finetune.testing.reference import balance_gradients, window_balance_gradients
 
     inputs_of, mode = reading
