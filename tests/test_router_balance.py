@@ -218,6 +218,17 @@ def test_a_familys_own_weight_is_trainers_step(family, balance, tmp_path):
     assert relative_error(applied, ce) > 1e-3  # the balancing term moved the step
 
 
+def test_a_router_loss_without_its_weight_names_the_key_that_makes_it_exact(tmp_path):
+    """The weight its forward multiplies aux_loss by is unset: no exact step, and the refusal (require_exact; a
+    warning otherwise) names the config key that the forward reads it from."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(own_weight_config("jetmoe"))
+    model.aux_loss_coef = None  # what JetMoeForCausalLM copies from config.aux_loss_coef
+    assert balance_coefficient(model) is None
+    with pytest.raises(ValueError, match=r"sets no aux_loss_coef to weigh it by.* Set aux_loss_coef in the model's"):
+        train_recording(TokenNormTrainer, model, ragged_rows(4), tmp_path, 4, 1, None, {"require_exact": True})
+
+
 def test_a_model_without_the_router_loss_trains_on_the_cross_entropy_alone(tmp_path):
     """output_router_logits off: no aux_loss returned, the cross-entropy alone (the brute force without the term)."""
     initial, rows = tiny_qwen3_moe(router_loss=False), ragged_rows(4, seed=3)

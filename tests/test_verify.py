@@ -139,6 +139,32 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     assert len(weights) == 2 and min(weights) < 0.95 and max(weights) > 1.05
 
 
+def test_every_drop_probability_is_off_for_the_check():
+    """torch's dropout modules, the probabilities a module copied from its config (SeedOSS's residual_dropout, DBRX's
+    resid_pdrop), and those of the config and its sub-configs (DBRX's attn_config.attn_pdrop), read in forwards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.testing.reference import silence_dropout
+
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    seed = AutoModelForCausalLM.from_config(AutoConfig.for_model("seed_oss", head_dim=8, intermediate_size=64, **sizes))
+    dbrx_config = AutoConfig.for_model("dbrx", resid_pdrop=0.2, emb_pdrop=0.1, **sizes)
+    dbrx_config.attn_config.attn_pdrop = 0.3
+    for model in (seed, torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Dropout2d(0.5))):
+        silence_dropout(model)
+        assert not [n for m in model.modules() for n, v in vars(m).items() if "drop" in n and v]
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd))
+    assert seed.config.residual_dropout == seed.config.attention_dropout == 0
+
+    class Reads(torch.nn.Module):  # a module that reads its config's probabilities in its forward
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    silence_dropout(Reads(dbrx_config))
+    assert dbrx_config.resid_pdrop == dbrx_config.emb_pdrop == dbrx_config.attn_config.attn_pdrop == 0
+
+
 class Noisy(torch.nn.Module):
     """A module followed by noise drawn in every call: in training mode only (`training_only`), or always."""
 
