@@ -27,6 +27,7 @@ from finetune.testing.families import (
     ADAPTERS,
     FAMILIES,
     RECIPE_KEYS,
+    VOCAB,
     family_folder,
     two_rank_batching,
     verify_argv,
@@ -40,6 +41,10 @@ VERDICT = re.compile(r"^verify: (PASS|FAIL): largest relative error (\S+) \(tole
 STATE = re.compile(r"would carry the state of its (.+?) layers")
 CROSSING = re.compile(r"does not keep the sequences of a packed row apart: .*\(they attend to one another\)")
 CANNOT_RUN = re.compile(r"does not keep the sequences of a packed row apart: the packed probe row cannot run")
+# verify's line for modules that draw at random in training mode (finetune/testing/determinism.py), and per family
+# the classes it named, as the cases ran: the notes column says so
+EVALUATED = re.compile(r"^verify: (.+?) \(.*\) gives a different output for the same input in training mode", re.M)
+RANDOM_IN_TRAINING: dict[str, str] = {}
 COMMAND = "OMP_NUM_THREADS=1 .venv/bin/python scripts/family_matrix.py"
 
 
@@ -85,6 +90,8 @@ def run_case(family: str, batching: str, tokenizer, keys: tuple[str, ...] = ()) 
                 code = verify.main([*verify_argv(folder, family, batching), *keys])
             except Exception as e:  # the boundary keeps a bug's traceback; anything past it is still one cell
                 code, err = 70, io.StringIO(f"{type(e).__name__}: {e}")
+    if found := EVALUATED.search(out.getvalue()):
+        RANDOM_IN_TRAINING[family] = found.group(1)
     return outcome(code, out.getvalue(), err.getvalue()), time.perf_counter() - start
 
 
@@ -106,16 +113,24 @@ def run_two_ranks(family: str, tokenizer) -> tuple[str, float]:
 def notes(family: str) -> str:
     """What the family's tiny model exercises beyond a plain decoder, from its config kwargs and model class."""
     import transformers
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from finetune.core.router_balance import config_router_loss
+    from finetune.core.router_weight import config_coefficient
+
     kwargs, found = FAMILIES[family], []
-    if "num_experts_per_tok" in kwargs:
-        router = kwargs.get("output_router_logits") and kwargs.get("router_aux_loss_coef")
+    if any("expert" in key for key in str(kwargs).split("'")):  # DBRX's sit in its ffn_config
+        fixed = {k: v for k, v in kwargs.items() if v is not VOCAB}
+        config = AutoConfig.for_model(family, num_hidden_layers=2, **fixed)
+        router = config_router_loss(config) and config_coefficient(config, config.get_text_config())
         found.append(f"experts, router loss ×{router:g}" if router else "experts (no router loss in the family)")
     if "sliding_window" in kwargs:
         found.append(f"sliding window {kwargs['sliding_window']}")
     if not getattr(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]), "_supports_sdpa", True):
         found.append("eager attention (no sdpa in its class; `model.attn_implementation=auto` picks eager)")
+    if family in RANDOM_IN_TRAINING:
+        found.append(f"{RANDOM_IN_TRAINING[family]} draws at random in training: verify runs it in evaluation mode")
     found += [f"`{key}`" for key in RECIPE_KEYS.get(family, [])]
     return "; ".join(found)
 
@@ -155,7 +170,9 @@ def header() -> str:
         "sequence (finetune/model/sequence_mixers.py), and for models whose attention lets a packed row's sequences "
         "see one another (the packed probe, finetune/model/packed_probe.py); `data.batching=token_budget` or `padded` "
         "is exact for them. "
-        "Mixtures of experts run with their router balancing loss on where the family has one. "
+        "Mixtures of experts run with their router balancing loss on where the family has one. Each step is checked "
+        "deterministic: verify switches every dropout off, and a module that draws at random in training mode runs "
+        "in evaluation mode for the check (named in the notes). "
         "tests/test_families.py asserts the same outcomes. Seconds: "
         "each case's wall time, one after another (the first includes the imports; a two-rank case includes its "
         "launch).\n\n"

@@ -73,3 +73,26 @@ def test_verify_passes_on_two_ranks(family, tokenizer, tmp_path, capfd):
     forked_ranks(verify_passes, argv, ACCELERATE_USE_CPU="true")
     out = capfd.readouterr().out
     assert "from 2 ranks" in out and "verify: PASS" in out, out[-3000:]
+
+
+def test_all_linear_lora_leaves_out_linear_layers_that_return_no_tensor():
+    """PhiMoE's router is a torch Linear by class that returns its routing (a tuple): peft's all-linear would wrap it
+    and its LoRA layer fail on the tuple; it is left out, every other linear layer adapted, and the forward runs."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model.freeze import add_lora, not_linear_outputs
+    from finetune.recipe import load_config
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    sizes.update(num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("phimoe", **sizes, **FAMILIES["phimoe"]))
+    routers = [f"model.layers.{i}.mlp.router" for i in range(2)]
+    assert not_linear_outputs(model) == routers
+    assert not_linear_outputs(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes))) == []
+    cfg = load_config(["recipe=recipes/debug.yaml", "model.lora.enabled=true", "model.lora.target_modules=all-linear"])
+    adapted = add_lora(model, cfg.model)
+    names = [n.removeprefix("base_model.model.") for n, _ in adapted.named_modules()]
+    wrapped = {n.removesuffix(".lora_A") for n in names if n.endswith(".lora_A")}
+    assert "model.layers.0.self_attn.q_proj" in wrapped and not set(routers) & wrapped
+    assert adapted(input_ids=torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)

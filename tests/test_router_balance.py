@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM, Trainer
 
 from finetune import TokenNormTrainer
+from finetune.core.router_balance import config_router_loss
+from finetune.core.router_weight import balance_coefficient, coefficient_key
+from finetune.testing.families import FAMILIES, family_folder, verify_argv
 from finetune.testing.reference import reference_gradient, relative_error, silence_dropout
 from finetune.testing.toy import VOCAB, RecordingCollator, model_at, ragged_rows, sgd_args, train_recording
 from finetune.tools import verify
@@ -155,6 +158,77 @@ def test_one_micro_batch_is_trainers_step(balance, tmp_path):
         assert torch.allclose(ours[1][name], theirs[name], rtol=1e-5, atol=1e-7), name
 
 
+# families that keep the weight of their balancing loss under their own name: JetMoE's aux_loss_coef, DBRX's
+# ffn_config.moe_loss_weight (its forward reads the copy __init__ makes in self.router_aux_loss_coef)
+OWN_WEIGHT = {
+    "jetmoe": ("aux_loss_coef", dict(aux_loss_coef=COEFFICIENT)),
+    "dbrx": (
+        "ffn_config.moe_loss_weight",
+        dict(ffn_config={**FAMILIES["dbrx"]["ffn_config"], "moe_loss_weight": COEFFICIENT}),
+    ),
+}
+
+
+def own_weight_config(family: str):
+    """The family matrix's tiny config of `family` (finetune/testing/families.py) at the toy vocabulary, its
+    balancing weight COEFFICIENT under the family's own key."""
+    kwargs = {**FAMILIES[family], **OWN_WEIGHT[family][1]}
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = AutoConfig.for_model(
+        family, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, **sizes, **kwargs
+    )
+    # as a saved folder reads it: DbrxConfig copies its width into ffn_config before a hidden_size= kwarg sets it
+    return type(config).from_dict(config.to_dict())
+
+
+def test_the_weight_is_read_under_the_familys_own_key():
+    """From the config before any weight (train.moe_balance is checked there) and from the built model, read where
+    its forward reads it."""
+    for family, (key, _) in OWN_WEIGHT.items():
+        config = own_weight_config(family)
+        assert config_router_loss(config), family
+        model = AutoModelForCausalLM.from_config(config)
+        assert balance_coefficient(model) == COEFFICIENT and coefficient_key(model) == key
+    assert coefficient_key(tiny_qwen3_moe()) == "router_aux_loss_coef"
+    router_off = AutoConfig.for_model("jetmoe", **{**FAMILIES["jetmoe"], "output_router_logits": False})
+    assert not config_router_loss(router_off)
+
+
+@pytest.mark.parametrize("balance", ["micro", "window"])
+@pytest.mark.parametrize("family", list(OWN_WEIGHT))
+def test_a_familys_own_weight_is_trainers_step(family, balance, tmp_path):
+    """One micro-batch on one rank, the exact path (require_exact: no fallback to Trainer's loss): Trainer's step,
+    which adds the forward's own weight × aux_loss; without the term the step is far off."""
+    torch.manual_seed(0)
+    initial, rows = AutoModelForCausalLM.from_config(own_weight_config(family)), ragged_rows(4, seed=2)
+    kwargs = {"moe_balance": balance, "require_exact": True}
+    ours = train_recording(TokenNormTrainer, copy.deepcopy(initial), rows, tmp_path / "ours", 4, 1, None, kwargs)[2]
+    stock = Trainer(
+        model=copy.deepcopy(initial),
+        args=sgd_args(tmp_path / "stock", 4, 1),
+        train_dataset=rows,
+        data_collator=RecordingCollator(),
+    )
+    stock.train()
+    theirs = {n: p.detach().double() for n, p in stock.model.named_parameters()}
+    for name in theirs:
+        assert torch.allclose(ours[1][name], theirs[name], rtol=1e-5, atol=1e-7), name
+    ce = cross_entropy_gradient(initial, rows)
+    applied = {n: ours[0][n] - ours[1][n] for n in ce}
+    assert relative_error(applied, ce) > 1e-3  # the balancing term moved the step
+
+
+def test_a_router_loss_without_its_weight_names_the_key_that_makes_it_exact(tmp_path):
+    """The weight its forward multiplies aux_loss by is unset: no exact step, and the refusal (require_exact; a
+    warning otherwise) names the config key that the forward reads it from."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(own_weight_config("jetmoe"))
+    model.aux_loss_coef = None  # what JetMoeForCausalLM copies from config.aux_loss_coef
+    assert balance_coefficient(model) is None
+    with pytest.raises(ValueError, match=r"sets no aux_loss_coef to weigh it by.* Set aux_loss_coef in the model's"):
+        train_recording(TokenNormTrainer, model, ragged_rows(4), tmp_path, 4, 1, None, {"require_exact": True})
+
+
 def test_a_model_without_the_router_loss_trains_on_the_cross_entropy_alone(tmp_path):
     """output_router_logits off: no aux_loss returned, the cross-entropy alone (the brute force without the term)."""
     initial, rows = tiny_qwen3_moe(router_loss=False), ragged_rows(4, seed=3)
@@ -190,6 +264,17 @@ def test_verify_checks_the_router_loss_in_float64(batching, balance, tmp_path, c
     folder = moe_folder(tmp_path)
     argv = [*MOE_DEBUG, f"model.name_or_path={folder}", "model.gguf_file=null", f"data.batching={batching}"]
     code, out = verify.main([*argv, f"train.moe_balance={balance}"]), capsys.readouterr().out
+    assert code == 0 and "verify: PASS" in out, out[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", list(OWN_WEIGHT))
+def test_verify_takes_the_windows_balance_on_a_familys_own_weight(family, tmp_path, capsys):
+    """train.moe_balance=window, accepted from the config before the weights (the weight under the family's own key)
+    and checked against the float64 brute force of the window's balancing loss."""
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    argv = verify_argv(family_folder(tmp_path, family, tokenizer), family, "padded")
+    code, out = verify.main([*argv, "train.moe_balance=window"]), capsys.readouterr().out
     assert code == 0 and "verify: PASS" in out, out[-3000:]
 
 

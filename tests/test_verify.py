@@ -4,6 +4,7 @@ errors as training, and on two CPU ranks (the window gathered from both, as on o
 import re
 
 import pytest
+import torch
 
 from finetune.recipe import RecipeError, load_config
 from finetune.tools import verify
@@ -136,6 +137,89 @@ def test_fails_on_a_trainer_that_averages_per_micro_batch(capsys, monkeypatch):
     # each micro-batch's tokens weighted by window tokens / (accumulation × its own tokens), not by 1
     (weights,) = weights_in(out)
     assert len(weights) == 2 and min(weights) < 0.95 and max(weights) > 1.05
+
+
+def test_every_drop_probability_is_off_for_the_check():
+    """torch's dropout modules, the probabilities a module copied from its config (SeedOSS's residual_dropout, DBRX's
+    resid_pdrop), and those of the config and its sub-configs (DBRX's attn_config.attn_pdrop), read in forwards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.testing.reference import silence_dropout
+
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    seed = AutoModelForCausalLM.from_config(AutoConfig.for_model("seed_oss", head_dim=8, intermediate_size=64, **sizes))
+    dbrx_config = AutoConfig.for_model("dbrx", resid_pdrop=0.2, emb_pdrop=0.1, **sizes)
+    dbrx_config.attn_config.attn_pdrop = 0.3
+    for model in (seed, torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Dropout2d(0.5))):
+        silence_dropout(model)
+        assert not [n for m in model.modules() for n, v in vars(m).items() if "drop" in n and v]
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd))
+    assert seed.config.residual_dropout == seed.config.attention_dropout == 0
+
+    class Reads(torch.nn.Module):  # a module that reads its config's probabilities in its forward
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    silence_dropout(Reads(dbrx_config))
+    assert dbrx_config.resid_pdrop == dbrx_config.emb_pdrop == dbrx_config.attn_config.attn_pdrop == 0
+
+
+class Noisy(torch.nn.Module):
+    """A module followed by noise drawn in every call: in training mode only (`training_only`), or always."""
+
+    def __init__(self, inner: torch.nn.Module, training_only: bool):
+        super().__init__()
+        self.inner, self.training_only = inner, training_only
+
+    def forward(self, hidden_states):
+        out = self.inner(hidden_states)
+        return out + 1e-2 * torch.rand_like(out) if self.training or not self.training_only else out
+
+
+def with_noisy_final_norm(monkeypatch, training_only: bool) -> None:
+    """The debug recipe's model loads with its final norm followed by noise."""
+    import finetune.model.loading
+
+    load = finetune.model.loading.load_model
+
+    def noisy(cfg, folder):
+        model = load(cfg, folder)
+        model.model.norm = Noisy(model.model.norm, training_only)
+        return model
+
+    monkeypatch.setattr(finetune.model.loading, "load_model", noisy)
+
+
+@pytest.mark.e2e
+def test_a_forward_random_in_every_call_is_refused_naming_the_module(capsys, monkeypatch):
+    """Noise drawn in evaluation mode too: no check can compare one draw with another, so one error line naming the
+    module (not a FAIL, which would blame the trainer)."""
+    with_noisy_final_norm(monkeypatch, training_only=False)
+    code = verify.main([DEBUG])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == [
+        "error: finetune.verify: the training forward is random: Noisy (model.norm) gives a different output for the "
+        "same input on each call, in evaluation mode too (dropout is off already); the trainer and the brute force "
+        "would see different draws, so no step can be checked: remove that draw from the forward to verify this model"
+    ], err[-3000:]
+    assert "verify: FAIL" not in out and "verify: PASS" not in out
+
+
+@pytest.mark.e2e
+def test_a_module_random_in_training_mode_runs_in_evaluation_mode_for_the_check(capsys, monkeypatch):
+    """Noise drawn in training mode only (as PhiMoE's router samples): found by running the first micro-batch twice,
+    run in evaluation mode in the trained model and the reference alike, said in one line; the step passes."""
+    with_noisy_final_norm(monkeypatch, training_only=True)
+    code = verify.main([DEBUG, "train.max_grad_norm=0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verify: PASS" in out, out[-3000:]
+    assert max(errors_in(out)) <= 1e-5
+    assert (
+        "verify: Noisy (model.norm) gives a different output for the same input in training mode (a random draw in "
+        "its forward); the check runs it in evaluation mode (no draw), in the trained model and the reference alike"
+    ) in out.splitlines()
 
 
 @pytest.mark.parametrize(

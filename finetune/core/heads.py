@@ -177,16 +177,6 @@ def forward_takes(model: torch.nn.Module) -> ForwardTakes:
     )
 
 
-def balance_coefficient(model: torch.nn.Module) -> float | None:
-    """The weight a mixture of experts' own forward gives its router balancing loss when it adds it to `loss`
-    (transformers' `router_aux_loss_coef`, read where the forward reads it); None where the model sets none."""
-    model = unwrap_peft_model(model)
-    coefficient = getattr(model, "router_aux_loss_coef", None)
-    if coefficient is None:
-        coefficient = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
-    return None if coefficient is None else float(coefficient)
-
-
 # config keys of loss terms a model's own forward adds to `loss` (with labels) that this trainer does not compute:
 # Bamba's z-loss (the mean over every position, padding included, of logsumexp(logits)²)
 UNPLACED_LOSS_KEYS = ("z_loss_coefficient",)

@@ -119,13 +119,15 @@ def unplaced_loss_line(model_name: str, terms: list[str]) -> str:
     )
 
 
-def aux_loss_line(model_name: str) -> str:
-    """A model that returns an auxiliary loss (`aux_loss`) without the weight its forward adds it with: it cannot be
-    placed in the window's objective, so Trainer's own loss (which keeps it) from this micro-batch on."""
+def aux_loss_line(model_name: str, key: str) -> str:
+    """A model that returns an auxiliary loss (`aux_loss`) without the weight its forward adds it with (`key`: the
+    config key that weight is read from): it cannot be placed in the window's objective, so Trainer's own loss (which
+    keeps it) from this micro-batch on."""
     return (
-        f"TokenNormTrainer: {model_name} returns an auxiliary loss (aux_loss) but no router_aux_loss_coef to weigh it "
+        f"TokenNormTrainer: {model_name} returns an auxiliary loss (aux_loss) but its config sets no {key} to weigh it "
         "by; it is trained and evaluated by transformers.Trainer's own loss from this micro-batch on, unchanged (its "
-        "own forward's loss, the auxiliary loss included), not the exact token mean"
+        f"own forward's loss, the auxiliary loss included), not the exact token mean. Set {key} in the model's "
+        "config (config.json, or model.config_overrides with model.from_config=true) for the exact token mean"
     )
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.core.heads import balance_coefficient, text_config_of
+from finetune.core.heads import text_config_of
+from finetune.core.router_weight import balance_coefficient, config_coefficient
 
 
 def experts_of(model) -> tuple[int, int] | None:
@@ -31,18 +32,18 @@ def experts_of(model) -> tuple[int, int] | None:
 
 def has_router_loss(model) -> bool:
     """Whether the model's forward adds a router balancing loss: a mixture of experts with output_router_logits on
-    and a router_aux_loss_coef, whose expert counts are known."""
+    and a weight for it (router_weight.py), whose expert counts are known."""
     config = getattr(model, "config", None)
     on = bool(getattr(config, "output_router_logits", False))
     return on and balance_coefficient(model) is not None and experts_of(model) is not None
 
 
 def config_router_loss(config) -> bool:
-    """Whether a model built from `config` adds a router balancing loss (output_router_logits on and a
-    router_aux_loss_coef), read before its weights load."""
+    """Whether a model built from `config` adds a router balancing loss (output_router_logits on and a weight for it,
+    under the config key its class's forward reads), read before its weights load."""
     text = text_config_of(config)
     on = bool(getattr(text, "output_router_logits", False))
-    return on and getattr(text, "router_aux_loss_coef", None) is not None
+    return on and config_coefficient(config, text) is not None
 
 
 def _rows_mask(router_logits: tuple, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

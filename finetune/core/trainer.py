@@ -46,7 +46,6 @@ from finetune.core.causal_forward import foreign_forward, own_forward
 from finetune.core.chunked_head import ChunkedHead
 from finetune.core.heads import (
     aux_loss_of,
-    balance_coefficient,
     forward_takes,
     logits_of,
     plain_head,
@@ -85,6 +84,7 @@ from finetune.core.meter import (
     window_counts,
 )
 from finetune.core.router_balance import experts_of, layer_counts, probability_sums, routing_counts, window_share
+from finetune.core.router_weight import balance_coefficient, coefficient_key
 from finetune.core.step_verdict import StepGate, StepVerdict
 
 logger = logging.get_logger(__name__)
@@ -300,14 +300,15 @@ class TokenNormTrainer(Trainer):
     def _added_terms(self, model, outputs, inputs: Mapping) -> torch.Tensor | float | None:
         """What the model's own forward adds to the token mean: a mixture of experts' router balancing loss (its
         share, kept), 0 where nothing, or None (one warning said) where it adds a term this trainer cannot place."""
-        name = type(self.accelerator.unwrap_model(model)).__name__
+        unwrapped = self.accelerator.unwrap_model(model)
+        name = type(unwrapped).__name__
         if fields := unplaced_loss_fields(outputs):
             self._fall_back(unplaced_loss_line(name, fields))
             return None
         if (aux := aux_loss_of(outputs)) is None:
             return 0.0
-        if (coefficient := balance_coefficient(self.accelerator.unwrap_model(model))) is None:
-            self._fall_back(aux_loss_line(name))  # a router loss without the weight the model gives it
+        if (coefficient := balance_coefficient(unwrapped)) is None:  # a router loss without the weight it is added by
+            self._fall_back(aux_loss_line(name, coefficient_key(unwrapped)))
             return None
         return self._balance_share(aux, coefficient, outputs, inputs)
 

@@ -84,6 +84,28 @@ def lora_targets(target_modules: list[str] | str) -> list[str] | str:
     return names
 
 
+def not_linear_outputs(model) -> list[str]:
+    """The modules that are torch Linear layers by class but return no tensor (PhiMoE's and Llama 4's routers are
+    Linear subclasses that return their routing): peft's all-linear would wrap them, and its LoRA layer expects a
+    tensor back. Found by calling each model-defined Linear subclass with a forward of its own on one zero row."""
+    found = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if not isinstance(module, torch.nn.Linear) or cls.forward is torch.nn.Linear.forward:
+            continue
+        if not cls.__module__.startswith("transformers.models."):  # quantized layers (bitsandbytes) return tensors
+            continue
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):  # a sampling router draws nothing of the run's
+                row = module.weight.new_zeros(1, module.in_features)
+                returned = module(row)
+        except Exception:  # an input it does not take: left to peft as before
+            continue
+        if not isinstance(returned, torch.Tensor):
+            found.append(name)
+    return found
+
+
 def add_lora(model, cfg: ModelConfig):
     from peft import LoraConfig, get_peft_model
 
@@ -93,6 +115,7 @@ def add_lora(model, cfg: ModelConfig):
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
         target_modules=targets,
+        exclude_modules=(not_linear_outputs(model) or None) if targets == ALL_LINEAR else None,
         task_type="CAUSAL_LM",
     )
     try:

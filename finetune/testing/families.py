@@ -64,6 +64,16 @@ FAMILIES: dict[str, dict] = {
         **DEEPSEEK_EXPERTS,
     ),
     "glm4_moe": dict(head_dim=16, **DEEPSEEK_EXPERTS),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, **ROUTER_LOSS),  # its router samples in training
+    "jetmoe": dict(  # experts in attention and MLP; its weight is aux_loss_coef
+        num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=True, aux_loss_coef=0.1
+    ),
+    "dbrx": dict(  # its weight is ffn_config.moe_loss_weight
+        ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2, moe_loss_weight=0.1),
+        # DbrxAttention reads attn_config.rope_theta (unused) and clamps q, k, v by clip_qkv, which must be set
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+        output_router_logits=True,
+    ),
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, **SLIDING_THEN_FULL),
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, **SLIDING_THEN_FULL),
     "gemma4_text": dict(
@@ -75,6 +85,7 @@ FAMILIES: dict[str, dict] = {
     ),
     "mistral": dict(sliding_window=WINDOW),
     "phi3": {},
+    "seed_oss": dict(head_dim=16),  # its config's attention and residual dropout (0.1) kept: verify turns them off
     "olmo2": {},
     "olmo3": SLIDING_THEN_FULL,
     "smollm3": dict(no_rope_layers=[1, 0], layer_types=["full_attention", "full_attention"]),

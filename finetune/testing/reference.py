@@ -23,6 +23,7 @@ import sys
 from typing import NamedTuple
 
 import torch
+from transformers import PreTrainedConfig
 
 from finetune.core.labels import IGNORE_INDEX
 
@@ -34,13 +35,38 @@ class WindowGradient(NamedTuple):
     parts: list[dict[str, torch.Tensor]] | None  # per micro-batch: its share of `grads` (float32, CPU), if kept
 
 
+def is_drop_probability(name: str, value) -> bool:
+    """A float attribute named for a drop probability (dropout, attention_dropout, resid_pdrop, layerdrop,
+    drop_path_rate, …), switched on."""
+    return "drop" in name.lower() and isinstance(value, float) and value > 0
+
+
+def silence_config_dropout(config, seen: set[int]) -> None:
+    """Every drop probability of `config` and its nested sub-configs (DBRX's attn_config, a VLM's text_config) to 0:
+    modules that read the config in their forward draw nothing."""
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    for name, value in list(vars(config).items()):
+        if is_drop_probability(name, value):
+            setattr(config, name, 0.0)
+        elif isinstance(value, PreTrainedConfig):
+            silence_config_dropout(value, seen)
+
+
 def silence_dropout(model) -> None:
-    """Dropout off, attention dropout included: the reference is the deterministic gradient."""
+    """Every dropout off: torch's dropout modules, and every drop probability a module copied from its config
+    (attention_dropout, SeedOSS's residual_dropout, DBRX's resid_pdrop, …) or reads from it in its forward (the
+    config and its sub-configs): the reference is the deterministic gradient."""
+    seen: set[int] = set()
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        for name, value in list(vars(module).items()):
+            if is_drop_probability(name, value):
+                setattr(module, name, 0.0)
+        if isinstance(getattr(module, "config", None), PreTrainedConfig):
+            silence_config_dropout(module.config, seen)
 
 
 def target_count(labels, shift: bool = True) -> int:

@@ -3,7 +3,8 @@
 - `recording_trainer`: the recipe's trainer class recording into a `WindowRecorder` (a subclass built with, not a
   trainer patched afterwards): the rows of every micro-batch as the collator got them, grouped per fetched window,
   the norm the trainer clipped with, and (`gradient_capture`, a callback) before each optimizer step the applied
-  gradient, the parameters and the rows of all ranks (gathered to rank 0).
+  gradient, the parameters and the rows of all ranks (gathered to rank 0); before the first forward (`probed`) its
+  first micro-batch runs twice through the model, and what draws at random runs in evaluation mode from then on.
 - `reference_placement`, `reference_model`: where the reference runs: float64 where it fits (else float32), without
   accelerate's autocast. The gradient itself is `finetune.testing.reference.window_gradient`, the brute force the
   tests use too: each sequence alone and unpadded, the loss written out there (not `finetune.core.loss`).
@@ -39,7 +40,9 @@ class WindowRecorder:
     `get_batch_samples` says how many micro-batches the window took.
     """
 
-    def __init__(self):
+    def __init__(self, threshold: float = 1e-6):
+        self.threshold = threshold  # relative change between two identical forwards above which one is random
+        self.evaluated: list[str] | None = None  # modules that draw at random, run in evaluation mode; None: unprobed
         self.pending: deque = deque()
         self.windows: list[list[list[dict]]] = []  # per window: its micro-batches' rows
         self.norms: list[float] = []  # per optimizer step: the norm the trainer clipped with
@@ -137,6 +140,8 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             )
 
         def get_batch_samples(self, epoch_iterator, num_batches, device):
+            if recorder.evaluated is None:  # before the first forward, a routing pass of moe_balance=window included
+                epoch_iterator = probed(self, epoch_iterator, recorder)
             samples, count = super().get_batch_samples(epoch_iterator, num_batches, device)
             recorder.window_fetched(len(samples))
             return samples, count
@@ -154,6 +159,37 @@ def recording_trainer(base: type, recorder: WindowRecorder, steps: int) -> type:
             return norm
 
     return RecordingTrainer
+
+
+def probed(trainer, epoch_iterator, recorder: WindowRecorder):
+    """`epoch_iterator` as it was, its first micro-batch having run twice through the model to find what draws at
+    random (finetune/testing/determinism.py): such modules run in evaluation mode from now on, said in one line, or
+    the run is refused in one line where that does not make the forward deterministic."""
+    import itertools
+
+    from finetune.testing.determinism import NotDeterministic, describe, make_deterministic
+
+    first = next(epoch_iterator, None)
+    if first is None:
+        return epoch_iterator
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    try:
+        recorder.evaluated = make_deterministic(model, trainer._prepare_inputs(first), recorder.threshold)
+    except NotDeterministic as random:
+        raise RecipeError(
+            f"finetune.verify: the training forward is random: {describe(model, random.args[0])} gives a different "
+            "output for the same input on each call, in evaluation mode too (dropout is off already); the trainer "
+            "and the brute force would see different draws, so no step can be checked: remove that draw from the "
+            "forward to verify this model"
+        ) from None
+    if recorder.evaluated and is_main_process():
+        print(
+            f"verify: {describe(model, recorder.evaluated)} gives a different output for the same input in training "
+            "mode (a random draw in its forward); the check runs it in evaluation mode (no draw), in the trained "
+            "model and the reference alike",
+            flush=True,
+        )
+    return itertools.chain([first], epoch_iterator)
 
 
 def _full(tensor):
