@@ -4,6 +4,7 @@ loss-mask tokens over all data-parallel ranks, for the token-level loss types), 
 (`grpo_window`), the float64 brute force of one window's GRPO objective (`grpo_reference`) and the one-step check
 against it (`grpo_check`).
 
-It imports torch, transformers, accelerate, trl and finetune.core only; nothing of finetune imports it but the lazy
-export in finetune/__init__.py, so the supervised drop-in (finetune.core) never needs trl.
+It imports torch, transformers, accelerate, datasets, trl, finetune.core and finetune.testing (the float64 harness);
+nothing of finetune imports it but the lazy export in finetune/__init__.py, so the supervised drop-in (finetune.core)
+never needs trl.
 """

@@ -83,6 +83,10 @@ def recording(trainer_cls: type) -> type:
     """`trainer_cls` whose `compute_loss` keeps a copy of each training micro-batch it is given (`seen`)."""
 
     class Recording(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen: list[dict[str, torch.Tensor]] = []
+
         def compute_loss(self, model, inputs, *args, **kwargs):
             if self.model.training:
                 self.seen.append({k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
@@ -99,7 +103,6 @@ def train_grpo(trainer_cls: type, folder: Path, args: GRPOConfig, rows: Dataset 
         model=str(folder), reward_funcs=count_reward, args=args, train_dataset=rows or prompts(),
         processing_class=word_tokenizer(), callbacks=[recorder],
     )  # fmt: skip
-    trainer.seen = []
     trainer.train()
     return trainer, recorder
 
