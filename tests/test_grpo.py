@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 trl = pytest.importorskip("trl")  # dev extras: make install has it
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -18,6 +19,8 @@ from finetune.rl.grpo_reference import Objective, window_objective_gradient  # n
 from finetune.rl.grpo_toy import sgd_config, step_errors, tiny_policy_folder, train_grpo  # noqa: E402
 from finetune.testing.reference import relative_error  # noqa: E402
 from finetune.testing.toy import model_at  # noqa: E402
+from tests.launch import forked_ranks  # noqa: E402
+from tests.workers import grpo_worker  # noqa: E402
 
 BOUND = 1e-5  # float32 training against float64: 1.4e-7 to 4.5e-7 measured in every cell below
 
@@ -119,3 +122,31 @@ def test_the_bonus_over_high_entropy_tokens_says_it_stays_trls(policy, tmp_path,
     with caplog.at_level(logging.WARNING):
         train_grpo(TokenNormGRPOTrainer, policy, args)
     assert caplog.text.count("the entropy bonus over the high-entropy tokens (top_entropy_quantile=0.5)") == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss_type, trainers", [("dapo", ("trl", "ours")), ("bnpo", ("ours",))])
+def test_two_ranks_divide_each_window_by_its_tokens_on_both(loss_type, trainers, policy, tmp_path, capsys):
+    # each rank's micro-batches hold other completions (uneven token counts); DDP averages the two ranks' gradients.
+    # GRPOTrainer's deviation is measured once (dapo), each forked pair costs ~7 s
+    initial, objective = (
+        LlamaForCausalLM.from_pretrained(policy),
+        Objective(loss_type=loss_type, max_completion_length=8),
+    )
+    errors = {}
+    for name in trainers:
+        out = str(tmp_path / name)
+        forked_ranks(grpo_worker.main, out, str(policy), name, loss_type, 2, 4)
+        ranks = [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(2)]
+        assert relative_error(ranks[1]["grads"][0], ranks[0]["grads"][0]) <= 1e-7  # averaged: the same on both
+        tokens = [int(sum(b["completion_mask"].sum() for b in rank["seen"][:2])) for rank in ranks]
+        assert tokens[0] != tokens[1], "the test needs uneven token counts per rank"
+        errors[name] = []
+        for k, grads in enumerate(ranks[0]["grads"]):
+            window = [b for rank in ranks for b in rank["seen"][2 * k : 2 * k + 2]]
+            reference = window_objective_gradient(model_at(initial, ranks[0]["before"][k]), window, objective)
+            errors[name].append(relative_error(grads, reference))
+    with capsys.disabled():
+        measured = ", ".join(f"{name} {max(found):.2e}" for name, found in errors.items())
+        print(f"\n{loss_type} 2 ranks acc=2 spg=4: {measured}")
+    assert len(errors["ours"]) == 2 and max(errors["ours"]) <= BOUND
