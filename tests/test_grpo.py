@@ -15,8 +15,17 @@ trl = pytest.importorskip("trl")  # dev extras: make install has it
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from finetune import TokenNormGRPOTrainer  # noqa: E402
+from finetune.rl.grpo_check import check_grpo  # noqa: E402
 from finetune.rl.grpo_reference import Objective, window_objective_gradient  # noqa: E402
-from finetune.rl.grpo_toy import sgd_config, step_errors, tiny_policy_folder, train_grpo  # noqa: E402
+from finetune.rl.grpo_toy import (  # noqa: E402
+    count_reward,
+    prompts,
+    sgd_config,
+    step_errors,
+    tiny_policy_folder,
+    train_grpo,
+    word_tokenizer,
+)
 from finetune.testing.reference import relative_error  # noqa: E402
 from finetune.testing.toy import model_at  # noqa: E402
 from tests.launch import forked_ranks  # noqa: E402
@@ -150,3 +159,25 @@ def test_two_ranks_divide_each_window_by_its_tokens_on_both(loss_type, trainers,
         measured = ", ".join(f"{name} {max(found):.2e}" for name, found in errors.items())
         print(f"\n{loss_type} 2 ranks acc=2 spg=4: {measured}")
     assert len(errors["ours"]) == 2 and max(errors["ours"]) <= BOUND
+
+
+class DividedTwice(TokenNormGRPOTrainer):
+    """A normalization bug the check must catch: every micro-batch's loss halved once more."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return super().compute_loss(model, inputs, *args, **kwargs) / 2
+
+
+def test_check_grpo_passes_an_exact_trainer_and_fails_a_halved_one_with_clipping(policy, tmp_path):
+    args = sgd_config(tmp_path, 2, 4, max_grad_norm=0.5, learning_rate=0.1)
+    exact = check_grpo(TokenNormGRPOTrainer, str(policy), count_reward, args, prompts(), word_tokenizer(), steps=2)
+    assert [c.step for c in exact] == [1, 2] and all(c.passed and c.loss_tokens > 0 for c in exact)
+    args = sgd_config(tmp_path, 2, 4, max_grad_norm=0.0)
+    halved = check_grpo(DividedTwice, str(policy), count_reward, args, prompts(), word_tokenizer())
+    assert len(halved) == 1 and not halved[0].passed and halved[0].relative_error == pytest.approx(0.5, rel=1e-3)
+
+
+def test_check_grpo_refuses_what_the_brute_force_does_not_write_out(policy, tmp_path):
+    args = sgd_config(tmp_path, 2, 4, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match=r"^check_grpo: top_entropy_quantile=0.5 is not written out"):
+        check_grpo(TokenNormGRPOTrainer, str(policy), count_reward, args, prompts(), word_tokenizer())
