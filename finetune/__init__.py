@@ -16,6 +16,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 _LAZY = {
     "TokenNormTrainer": "finetune.core.trainer",
     "TokenNormSeq2SeqTrainer": "finetune.core.seq2seq_trainer",
+    "TokenNormGRPOTrainer": "finetune.rl.grpo_trainer",
     "build": "finetune.assemble",
     "count_label_tokens": "finetune.core.loss",
     "token_loss_sum": "finetune.core.loss",

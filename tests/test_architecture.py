@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "finetune"
 ENTRY_SCRIPTS = {"finetune.train", "finetune.plan", "finetune.verify"}  # run as scripts or with -m, never imported
-SUB_PACKAGES = ("core", "recipe", "data", "model", "evaluation", "training", "tools", "testing")
+SUB_PACKAGES = ("core", "recipe", "data", "model", "evaluation", "training", "tools", "testing", "rl")
 
 
 def module_name(path: Path) -> str:
@@ -77,6 +77,7 @@ LAYERS = {
     "core": set(),
     "recipe": {"env"},
     "testing": {"core"},
+    "rl": {"core", "testing"},
     "data": {"core", "env", "recipe"},
     "model": {"env", "recipe"},
     "evaluation": {"core", "data", "env", "recipe"},
